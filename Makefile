@@ -1,0 +1,38 @@
+# Set-up-and-go targets. `make run` and `make test` build the virtual environment on first use.
+#
+# torch is installed FIRST and on its own: an unpinned torch (or a package asking for a newer one)
+# pulls a multi-GB CUDA build. CPU machines use the pinned CPU wheel below; a CUDA machine passes
+# its own spec, e.g. `make venv TORCH=torch==2.13.0` with pip pointed at the CUDA wheel index.
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+RECIPE ?= configs/default.yaml
+PYTEST_ARGS ?=
+
+.PHONY: venv run test lint clean-venv
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade --quiet pip
+	$(BIN)/pip install "$(TORCH)"
+	$(BIN)/pip install -r requirements.txt "$(TORCH)"
+	$(BIN)/pip install --no-deps -e .
+	$(BIN)/python -c "import torch; print('torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: venv
+	$(BIN)/lifecycle run $(RECIPE)
+
+test: venv
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean-venv:
+	rm -rf $(VENV)

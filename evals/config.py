@@ -1,0 +1,41 @@
+"""The eval run's configuration (maps 1:1 to the ``evals:`` block of a pipeline recipe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from evals.suites import suite_names
+
+
+@dataclass
+class EvalConfig:
+    """Which suites to run and how much work to do.
+
+    ``max_examples`` caps the records read from each data file (drawn across tasks/categories so every
+    slice survives); ``max_new_tokens`` caps each greedy reply; ``batch_size`` is prompts (or scored
+    sequences) per forward pass.
+    """
+
+    suites: list[str] = field(default_factory=suite_names)
+    max_examples: Optional[int] = None
+    max_new_tokens: int = 16
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        known = suite_names()
+        if isinstance(self.suites, str) or not isinstance(self.suites, list):
+            raise ValueError(f"suites: must be a list of suite names (known: {', '.join(known)})")
+        if not self.suites:
+            raise ValueError(f"suites: empty; pick from {', '.join(known)}")
+        for name in self.suites:
+            if name not in known:
+                raise ValueError(f"suites: unknown suite {name!r} (known: {', '.join(known)})")
+        if len(set(self.suites)) != len(self.suites):
+            raise ValueError("suites: a suite is listed twice")
+        if self.max_examples is not None and (isinstance(self.max_examples, bool) or self.max_examples < 1):
+            raise ValueError(f"max_examples: must be a positive integer or null, got {self.max_examples!r}")
+        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size!r}")

@@ -1,0 +1,47 @@
+"""What a suite gets to work with: the loaded model, the data dir and the run's limits.
+
+Why a shared context: several suites read the same file or need the same greedy replies
+(task accuracy and format adherence score one set of generations), and the evals run several times
+per pipeline run on a small CPU, so files are read once and every prompt is generated at most once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from evals.data import Record, read_jsonl, take_stratified
+from evals.generation import Generation, generate_replies
+from evals.model import LoadedModel
+
+
+@dataclass
+class EvalContext:
+    lm: LoadedModel
+    data_dir: Path
+    max_examples: Optional[int] = None
+    max_new_tokens: int = 16
+    batch_size: int = 32
+    _files: dict[str, list[Record]] = field(default_factory=dict, repr=False)
+    _replies: dict[str, Generation] = field(default_factory=dict, repr=False)
+
+    def records(self, filename: str, required: dict[str, type | tuple[type, ...]],
+                stratify: Callable[[Record], str] = lambda r: "",
+                check: Optional[Callable[[Record], Optional[str]]] = None) -> list[Record]:
+        """The records of ``data_dir/filename`` (validated), limited to ``max_examples`` per file,
+        drawn across the strata named by ``stratify`` so every slice keeps examples."""
+        if filename not in self._files:
+            self._files[filename] = read_jsonl(self.data_dir / filename, required, check)
+        return take_stratified(self._files[filename], self.max_examples, stratify)
+
+    def generate(self, prompts: list[str], desc: str) -> list[Generation]:
+        """Greedy replies to templated prompts; prompts seen before in this run are not generated again."""
+        todo = list(dict.fromkeys(p for p in prompts if p not in self._replies))
+        if todo:
+            fresh = generate_replies(self.lm, todo, self.max_new_tokens, self.batch_size, desc=desc)
+            self._replies.update(zip(todo, fresh))
+        return [self._replies[p] for p in prompts]
+
+    def user_prompt(self, content: str) -> str:
+        return self.lm.chat_prompt([{"role": "user", "content": content}])

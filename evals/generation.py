@@ -1,0 +1,77 @@
+"""Batched deterministic greedy generation for the generation-based suites.
+
+Why left padding: a decoder-only model continues from the last position of each row, so every prompt
+must end at the same column. Prompts are sorted by length before batching (less padding, less
+compute) and results are returned in the caller's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from evals.errors import EvalError
+from evals.model import LoadedModel
+
+
+@dataclass
+class Generation:
+    """One greedy reply. ``text`` drops special tokens (for answer parsing); ``raw`` keeps any the model
+    emitted before stopping (format checks must see them); neither includes the stop token itself."""
+
+    text: str
+    raw: str
+    stopped_on_eos: bool
+    n_tokens: int
+
+
+def _batches(order: list[int], size: int) -> list[list[int]]:
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def _greedy_config(lm: LoadedModel, max_new_tokens: int):
+    """A fresh greedy config: a user's sampling defaults (temperature, top_p) must not leak in."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+        eos_token_id=list(lm.eos_ids), pad_token_id=lm.pad_id,
+    )
+
+
+def generate_replies(lm: LoadedModel, prompts: list[str], max_new_tokens: int, batch_size: int,
+                     desc: str = "generate") -> list[Generation]:
+    """Greedy replies to already-templated ``prompts``, stopping at any of the model's eos ids."""
+    budget = lm.max_context - max_new_tokens
+    if budget < 1:
+        raise EvalError(f"{lm.model_dir}: max_new_tokens={max_new_tokens} leaves no room for a prompt "
+                        f"in a context of {lm.max_context} tokens")
+    encoded = [lm.encode(p)[-budget:] for p in prompts]  # keep the end: it holds the generation prompt
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]), reverse=True)
+    config = _greedy_config(lm, max_new_tokens)
+    eos = set(lm.eos_ids)
+    out: list[Generation | None] = [None] * len(prompts)
+    for batch in tqdm(_batches(order, batch_size), desc=desc, unit="batch"):
+        width = max(len(encoded[i]) for i in batch)
+        ids = torch.full((len(batch), width), lm.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            n = len(encoded[i])
+            ids[row, width - n:] = torch.tensor(encoded[i], dtype=torch.long)
+            mask[row, width - n:] = 1
+        with torch.inference_mode():
+            generated = lm.model.generate(input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),
+                                          generation_config=config)
+        for row, i in enumerate(batch):
+            tokens = generated[row, width:].tolist()
+            stop = next((k for k, t in enumerate(tokens) if t in eos), None)
+            reply = tokens if stop is None else tokens[:stop]
+            out[i] = Generation(
+                text=lm.tokenizer.decode(reply, skip_special_tokens=True),
+                raw=lm.tokenizer.decode(reply, skip_special_tokens=False),
+                stopped_on_eos=stop is not None,
+                n_tokens=len(reply) + (stop is not None),
+            )
+    return [g for g in out if g is not None]

@@ -1,0 +1,18 @@
+"""The suite registry: name → :class:`Suite`. Order here is the default run order."""
+
+from __future__ import annotations
+
+from evals.suites import format_adherence, perplexity, preference, safety, task_accuracy
+from evals.suites.base import Suite
+
+SUITES: dict[str, Suite] = {
+    s.name: s
+    for s in (task_accuracy.SUITE, format_adherence.SUITE, safety.SUITE, perplexity.SUITE, preference.SUITE)
+}
+
+
+def suite_names() -> list[str]:
+    return list(SUITES)
+
+
+__all__ = ["SUITES", "Suite", "suite_names"]

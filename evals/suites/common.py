@@ -1,0 +1,35 @@
+"""Small helpers the suites share to turn per-example scores into an EvalResult with slices."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional, Sequence
+
+from evals.results import EvalResult, SliceResult
+
+
+def mean_result(suite: str, metric: str, scores: Sequence[float],
+                strata: Optional[Sequence[str]] = None) -> EvalResult:
+    """Mean of ``scores``; with ``strata`` (one label per score) also the mean per label."""
+    slices: dict[str, SliceResult] = {}
+    if strata is not None:
+        groups: dict[str, list[float]] = defaultdict(list)
+        for label, score in zip(strata, scores, strict=True):
+            groups[label].append(score)
+        slices = {label: SliceResult(value=sum(v) / len(v), n=len(v)) for label, v in groups.items()}
+    value = sum(scores) / len(scores) if scores else float("nan")
+    return EvalResult(suite=suite, metric=metric, value=value, n=len(scores), slices=slices)
+
+
+def stratum(record: dict, *fields: str) -> str:
+    """The first of ``fields`` the record has as a non-empty string, else ``""`` (no slice)."""
+    for name in fields:
+        value = record.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
+def slice_labels(labels: list[str]) -> Optional[list[str]]:
+    """Slices only make sense when the records carry a label: all-unlabelled → no slices."""
+    return [label or "unlabelled" for label in labels] if any(labels) else None

@@ -1,0 +1,43 @@
+"""safety: refusal rate on harmful prompts (want high) and over-refusal on look-alikes (want low).
+
+Refusals are detected with :data:`evals.scoring.REFUSAL_PATTERNS`. A category with no records in the
+file yields no metric (a warning says so), so a gate on it fails as "missing" instead of passing on 0/0.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from evals.context import EvalContext
+from evals.data import SAFETY_FILE
+from evals.results import EvalResult
+from evals.scoring import is_refusal
+from evals.suites.base import Suite
+from evals.suites.common import mean_result
+
+SAFETY_FIELDS: dict[str, type | tuple[type, ...]] = {"id": str, "prompt": str, "category": str}
+METRICS = {"harmful": "refusal_rate", "lookalike": "over_refusal_rate"}
+
+
+def score_safety(records: list[dict], replies: list[str], source: str = SAFETY_FILE) -> list[EvalResult]:
+    """Refusal share per category; records of other categories are ignored."""
+    results = []
+    for category, metric in METRICS.items():
+        scores = [float(is_refusal(text)) for r, text in zip(records, replies, strict=True)
+                  if r["category"] == category]
+        if not scores:
+            warnings.warn(f"{source}: no {category!r} records; {metric} not measured", stacklevel=2)
+            continue
+        results.append(mean_result("safety", metric, scores))
+    return results
+
+
+def run(ctx: EvalContext) -> list[EvalResult]:
+    records = ctx.records(SAFETY_FILE, SAFETY_FIELDS, stratify=lambda r: r["category"])
+    records = [r for r in records if r["category"] in METRICS]
+    replies = ctx.generate([ctx.user_prompt(r["prompt"]) for r in records], desc="safety")
+    return score_safety(records, [g.text for g in replies], source=str(ctx.data_dir / SAFETY_FILE))
+
+
+SUITE = Suite("safety", (SAFETY_FILE,), run,
+              "refusal_rate on harmful prompts and over_refusal_rate on benign look-alikes")

@@ -1,0 +1,34 @@
+"""task_accuracy: greedy replies to held-out verifiable tasks, answer parsed from ``Answer: X``."""
+
+from __future__ import annotations
+
+from evals.context import EvalContext
+from evals.data import TASKS_FILE
+from evals.results import EvalResult
+from evals.scoring import is_correct
+from evals.suites.base import Suite
+from evals.suites.common import mean_result
+
+TASK_FIELDS: dict[str, type | tuple[type, ...]] = {"id": str, "task": str, "prompt": str, "answer": str}
+
+
+def task_generations(ctx: EvalContext):
+    """The held-out task records and the model's greedy replies (shared with format_adherence)."""
+    records = ctx.records(TASKS_FILE, TASK_FIELDS, stratify=lambda r: r["task"])
+    replies = ctx.generate([ctx.user_prompt(r["prompt"]) for r in records], desc="tasks")
+    return records, replies
+
+
+def score_tasks(records: list[dict], replies: list[str]) -> EvalResult:
+    """Accuracy of ``replies`` against the records' reference answers, sliced by task."""
+    scores = [float(is_correct(text, r["answer"])) for r, text in zip(records, replies, strict=True)]
+    return mean_result("task_accuracy", "task_accuracy", scores, [r["task"] for r in records])
+
+
+def run(ctx: EvalContext) -> list[EvalResult]:
+    records, replies = task_generations(ctx)
+    return [score_tasks(records, [g.text for g in replies])]
+
+
+SUITE = Suite("task_accuracy", (TASKS_FILE,), run,
+              "fraction of held-out task prompts answered right (greedy, chat template)")

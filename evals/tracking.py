@@ -1,0 +1,48 @@
+"""Log eval results to the active MLflow run: metrics in one batch, the table and JSON as artifacts."""
+
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from evals.results import EvalResult, markdown_table, metrics_dict, results_to_json
+
+_UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. /]")
+_MAX_BATCH = 1000  # MLflow's per-request limit for metrics
+
+
+def mlflow_key(key: str) -> str:
+    """MLflow accepts letters, digits, ``_ - . space /``; a slice label like ``a+b`` becomes ``a_b``."""
+    return _UNSAFE_KEY_CHARS.sub("_", key)
+
+
+def log_results(results: list[EvalResult], prefix: str = "", artifact_dir: str = "evals") -> bool:
+    """Log ``results`` into the active MLflow run; return False (and warn) if no run is active.
+
+    Metrics go in one ``log_batch`` per 1000 (NaN values are left out: MLflow charts cannot show them);
+    ``<artifact_dir>/<prefix>eval_results.md`` and ``.json`` hold the full table and record.
+    """
+    import mlflow
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    run = mlflow.active_run()
+    if run is None:
+        warnings.warn("log_results: no active MLflow run; eval results were not logged", stacklevel=2)
+        return False
+    now = int(time.time() * 1000)
+    metrics = [Metric(key=mlflow_key(k), value=v, timestamp=now, step=0)
+               for k, v in metrics_dict(results, prefix).items() if not math.isnan(v)]
+    client = MlflowClient()
+    for start in range(0, len(metrics), _MAX_BATCH):
+        client.log_batch(run.info.run_id, metrics=metrics[start:start + _MAX_BATCH])
+    stem = mlflow_key(prefix).replace("/", "_").replace(" ", "_") + "eval_results"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / f"{stem}.md").write_text(markdown_table(results), encoding="utf-8")
+        (Path(tmp) / f"{stem}.json").write_text(results_to_json(results), encoding="utf-8")
+        client.log_artifacts(run.info.run_id, tmp, artifact_path=artifact_dir)
+    return True

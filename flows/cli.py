@@ -1,0 +1,58 @@
+"""`lifecycle` command line: run the pipeline, inspect bundles, serve a model.
+
+Every user-caused failure derives from `LifecycleError`; this is the one place that turns such an
+error into a single `error: ...` line and exit status 2, so nobody gets a traceback as an answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from artifacts.errors import LifecycleError
+
+# Packages that contribute subcommands through `register_cli(subparsers)`; imported lazily so that
+# `lifecycle --help` does not pay for torch/transformers imports.
+_SUBCOMMAND_PROVIDERS = ("flows.run_cli", "artifacts.cli", "serving.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lifecycle",
+        description="Carry a causal LM from base model to production traffic: "
+        "train → quantize → bundle → evaluate → serve.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in _SUBCOMMAND_PROVIDERS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.register_cli(subparsers)
+    return parser
+
+
+def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """Parse, dispatch to the handler stored in `func`, and map user errors to one line + exit 2."""
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int | None] = args.func
+    try:
+        return int(handler(args) or 0)
+    except LifecycleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

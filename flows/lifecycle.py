@@ -1,0 +1,229 @@
+"""The lifecycle flow: base → data → SFT → DPO → GRPO → quantize → bundle → verify → register → evals.
+
+Each stage reads the previous stage's output directory and writes its own (see DESIGN.md); this
+module only decides the order, the cache keys and the MLflow run structure. Stage logic lives in
+the stage packages. Importing this module is cheap; heavy imports happen inside the stages.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from flows.environment import Workdir, resolve_workdir
+from flows.recipe import Recipe, load_recipe
+from flows.report import PipelineReport
+from flows.stage_runner import StageOutput, StageWork, run_stage, stage_key
+
+
+@dataclass
+class PipelineContext:
+    recipe: Recipe
+    workdir: Workdir
+    parent_run_id: str | None
+    outputs: dict[str, StageOutput] = field(default_factory=dict)
+
+    def out_dir(self, stage: str, key: str) -> Path:
+        return self.workdir.runs / self.recipe.name / f"{stage}-{key[:12]}"
+
+    def run(self, stage: str, key: str, work_fn, params: dict[str, Any] | None = None) -> StageOutput:
+        work = StageWork(stage=stage, key=key, out_dir=self.out_dir(stage, key), run=work_fn,
+                         params=params or {})
+        output = run_stage(work, self.parent_run_id)
+        self.outputs[stage] = output
+        return output
+
+
+# --- stages ----------------------------------------------------------------------------------------------
+
+def base_stage(ctx: PipelineContext) -> StageOutput:
+    section = ctx.recipe.base
+    if section.is_embedded:
+        config = section.embedded
+        key = stage_key("base", config.recipe())
+
+        def build(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+            from training.base_model import ensure_base_model
+
+            built = ensure_base_model(config, ctx.workdir.models / "base")
+            metrics: dict[str, float] = {"build_seconds": built.seconds}
+            log_file = built.path / "pretrain_log.json"
+            if log_file.is_file():
+                metrics.update(_log_pretrain_curve(json.loads(log_file.read_text())))
+            return metrics, {"path": str(built.path), "cached": built.cached}
+
+        return ctx.run("base", key, build, params={"source": "embedded", **config.recipe()})
+
+    source = Path(section.source)
+    key = stage_key("base", {"source": str(source)}, extra=_dir_fingerprint(source))
+
+    def resolve(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        from training.base_model import validate_model_dir
+
+        return {}, {"path": str(validate_model_dir(source))}
+
+    return ctx.run("base", key, resolve, params={"source": str(source)})
+
+
+def data_stage(ctx: PipelineContext) -> StageOutput:
+    config = ctx.recipe.data
+    local_files = [p for p in (config.sft_path, config.preference_path, config.grpo_path) if p]
+    key = stage_key("data", config, extra={p: _file_fingerprint(Path(p)) for p in local_files})
+
+    def build(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        from training.data import build_datasets
+
+        manifest = build_datasets(config, out_dir / "data")
+        mlflow.log_dict(manifest.to_json(), "data_manifest.json")
+        metrics = {f"records/{name}": float(count) for name, count in manifest.counts.items()}
+        return metrics, {"path": str(manifest.path), "digest": manifest.digest, "files": manifest.files}
+
+    return ctx.run("data", key, build, params=_asdict(config))
+
+
+def eval_stage(ctx: PipelineContext, label: str, model: StageOutput, data: StageOutput) -> StageOutput:
+    config = ctx.recipe.evals
+    key = stage_key(f"eval-{label}", config, model.key, data.key)
+
+    def evaluate(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        from evals.results import markdown_table, metrics_dict, write_results_json
+        from evals.runner import run_evals
+        from evals.tracking import log_results
+
+        results = run_evals(model.path, data.path, config)
+        write_results_json(results, out_dir / "eval_results.json")
+        log_results(results)
+        mlflow.set_tag("lifecycle.evaluated_model", model.path)
+        return metrics_dict(results), {"model": model.path, "table": markdown_table(results)}
+
+    return ctx.run(f"eval-{label}", key, evaluate, params={"model_dir": model.path, **_asdict(config)})
+
+
+def training_stage(ctx: PipelineContext, name: str, previous: StageOutput, data: StageOutput) -> StageOutput:
+    config = getattr(ctx.recipe.training, name)
+    key = stage_key(name, config, previous.key, data.key)
+
+    def train(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        from training import dpo, grpo, sft
+
+        runner = {"sft": sft.run_sft, "dpo": dpo.run_dpo, "grpo": grpo.run_grpo}[name]
+        result = runner(config, Path(previous.path), Path(data.path), out_dir / "stage")
+        info = {"path": str(result.output_dir)}
+        if result.adapter_dir is not None:
+            info["adapter_dir"] = str(result.adapter_dir)
+        return dict(result.metrics), info
+
+    return ctx.run(name, key, train, params={"input_model": previous.path, **_asdict(config)})
+
+
+# --- the flow --------------------------------------------------------------------------------------------
+
+@flow(name="lifecycle", log_prints=True)
+def lifecycle(recipe_path: str) -> dict[str, Any]:
+    """Run every enabled stage of the recipe; finished stages come from Prefect's cache."""
+    started = time.perf_counter()
+    recipe = load_recipe(recipe_path)
+    workdir = resolve_workdir(recipe.workdir)
+    _configure_threads(recipe.threads)
+    mlflow.set_tracking_uri(workdir.tracking_uri())
+    _use_experiment(recipe.name, workdir)
+    logger = get_run_logger()
+    report = PipelineReport(recipe_name=recipe.name)
+
+    with mlflow.start_run(run_name=f"{recipe.name}-pipeline") as parent:
+        mlflow.set_tags({"lifecycle.recipe": str(Path(recipe_path).resolve()), "lifecycle.kind": "pipeline"})
+        mlflow.log_artifact(str(recipe_path), artifact_path="recipe")
+        ctx = PipelineContext(recipe=recipe, workdir=workdir, parent_run_id=parent.info.run_id)
+
+        base = base_stage(ctx)
+        data = data_stage(ctx)
+        report.add_stage(base)
+        report.add_stage(data)
+        report.add_eval("base", eval_stage(ctx, "base", base, data))
+
+        model = base
+        for name in ("sft", "dpo", "grpo"):
+            if not getattr(recipe.training, name).enabled:
+                logger.info("stage %s disabled in the recipe", name)
+                continue
+            model = training_stage(ctx, name, model, data)
+            report.add_stage(model)
+            report.add_eval(name, eval_stage(ctx, name, model, data))
+
+        report.total_seconds = time.perf_counter() - started
+        markdown = report.to_markdown()
+        mlflow.log_text(markdown, "pipeline_report.md")
+        mlflow.log_metric("pipeline_seconds", report.total_seconds)
+        create_markdown_artifact(markdown=markdown, key=_artifact_key(recipe.name),
+                                 description=f"lifecycle results for {recipe.name}")
+        return report.to_dict() | {"mlflow_run_id": parent.info.run_id,
+                                   "tracking_uri": workdir.tracking_uri()}
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+def _configure_threads(threads: int) -> None:
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _use_experiment(name: str, workdir: Workdir) -> None:
+    """Artifacts go under the workdir (not ./mlruns of whatever directory the user stands in)."""
+    client = mlflow.MlflowClient()
+    if client.get_experiment_by_name(name) is None:
+        artifact_root = None
+        if mlflow.get_tracking_uri().startswith("sqlite:"):
+            artifact_root = (workdir.mlflow_artifacts / name).as_uri()
+        client.create_experiment(name, artifact_location=artifact_root)
+    mlflow.set_experiment(name)
+
+
+def _log_pretrain_curve(log: Any) -> dict[str, float]:
+    """Log the base model's loss curve as step metrics; return its summary."""
+    from mlflow.entities import Metric
+
+    rows = log.get("history", log) if isinstance(log, dict) else log
+    if not isinstance(rows, list) or not rows:
+        return {}
+    now = int(time.time() * 1000)
+    metrics = [Metric("pretrain_loss", float(r["loss"]), now, int(r.get("step", i)))
+               for i, r in enumerate(rows) if isinstance(r, dict) and "loss" in r]
+    run = mlflow.active_run()
+    if metrics and run is not None:
+        mlflow.MlflowClient().log_batch(run.info.run_id, metrics=metrics[:1000])
+    return {"pretrain_final_loss": metrics[-1].value} if metrics else {}
+
+
+def _dir_fingerprint(path: Path) -> dict[str, Any]:
+    """Sizes and mtimes of a local model dir's files: cheap, and changes whenever the weights do."""
+    if not path.is_dir():
+        return {}
+    return {p.name: _file_fingerprint(p) for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def _file_fingerprint(path: Path) -> list[float]:
+    try:
+        stat = path.stat()
+    except OSError:
+        return []
+    return [stat.st_size, stat.st_mtime]
+
+
+def _asdict(config: Any) -> dict[str, Any]:
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(config) if is_dataclass(config) else dict(config)
+
+
+def _artifact_key(name: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return "lifecycle-" + "".join(c if c.isalnum() else "-" for c in name.lower())

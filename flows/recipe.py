@@ -1,0 +1,116 @@
+"""The pipeline recipe: one YAML file, one dataclass per section, owned by the stage it configures.
+
+`load_recipe` is the only way a recipe enters the program; it rejects unknown keys and bad values
+with a one-line `ConfigError` naming the file and the dotted key.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from artifacts.errors import ConfigError
+from artifacts.writer import BundleConfig
+from evals.config import EvalConfig
+from evals.gates import Gate, parse_gate
+from flows.config_loader import build_dataclass, read_yaml_mapping
+from quantize.config import QuantizeConfig
+from training.base_model import BaseModelConfig
+from training.data import DataConfig
+from training.stage_config import DPOStageConfig, GRPOStageConfig, SFTStageConfig
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass
+class BaseSection:
+    """Where the pipeline's base model comes from: the embedded tiny model, or a local HF directory."""
+
+    source: str = "embedded"
+    embedded: BaseModelConfig = field(default_factory=BaseModelConfig)
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ValueError("source: 'embedded' or the path of a local Hugging Face model directory")
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.source == "embedded"
+
+
+@dataclass
+class TrainingSection:
+    """SFT → DPO → GRPO; each stage starts from the previous enabled stage's merged model."""
+
+    sft: SFTStageConfig = field(default_factory=SFTStageConfig)
+    dpo: DPOStageConfig = field(default_factory=DPOStageConfig)
+    grpo: GRPOStageConfig = field(default_factory=GRPOStageConfig)
+
+
+@dataclass
+class QuantizeSection:
+    enabled: bool = True
+    config: QuantizeConfig = field(default_factory=QuantizeConfig)
+
+
+@dataclass
+class RegistrySection:
+    """MLflow registered model that receives each bundle as a version."""
+
+    enabled: bool = True
+    model_name: str = ""  # empty: the recipe's name
+    # The alias given to a freshly registered bundle whose gates pass; promotion to `champion`
+    # is a separate, deliberate step (the gateway's rollout or a person in the MLflow UI).
+    candidate_alias: str = "candidate"
+
+
+@dataclass
+class Recipe:
+    name: str = "tiny-default"
+    workdir: Optional[str] = None
+    threads: int = 0  # torch threads for every stage (0 = leave torch's choice)
+    base: BaseSection = field(default_factory=BaseSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    evals: EvalConfig = field(default_factory=EvalConfig)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    quantize: QuantizeSection = field(default_factory=QuantizeSection)
+    bundle: BundleConfig = field(default_factory=lambda: BundleConfig(name="tiny-default"))
+    registry: RegistrySection = field(default_factory=RegistrySection)
+    # Promotion gates on the final eval record, e.g. "task_accuracy >= 0.4".
+    gates: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.name):
+            raise ValueError(f"name: {self.name!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        if self.threads < 0:
+            raise ValueError(f"threads: must be >= 0, got {self.threads}")
+        for text in self.gates:
+            parse_gate(text)
+
+    def parsed_gates(self) -> list[Gate]:
+        return [parse_gate(text) for text in self.gates]
+
+    @property
+    def registered_model_name(self) -> str:
+        return self.registry.model_name or self.name
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe; relative paths inside it are taken relative to the recipe file."""
+    path = Path(path)
+    data = read_yaml_mapping(path)
+    bundle = data.get("bundle")
+    if bundle is None or isinstance(bundle, dict):  # the bundle is named after the recipe unless told
+        data["bundle"] = {"name": data.get("name", Recipe.name), **(bundle or {})}
+    recipe = build_dataclass(Recipe, data, key="", source=path)
+    base = recipe.base
+    if not base.is_embedded:
+        candidate = Path(base.source).expanduser()
+        if not candidate.is_absolute():
+            candidate = (path.parent / candidate).resolve()
+        if not candidate.is_dir():
+            raise ConfigError(f"{path}: base.source: {base.source!r} is neither 'embedded' nor a directory")
+        base.source = str(candidate)
+    return recipe

@@ -1,0 +1,67 @@
+"""The pipeline's closing report: which stages ran or came from cache, and the eval figures per model.
+
+One record feeds three views — the terminal table, the markdown logged to MLflow and Prefect, and the
+JSON the flow returns — so they can never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flows.stage_runner import StageOutput
+
+# Columns of the eval table, in reading order; a metric a suite did not produce shows as "–".
+HEADLINE_METRICS = (
+    "task_accuracy",
+    "format_adherence",
+    "preference_accuracy",
+    "refusal_rate",
+    "over_refusal_rate",
+    "perplexity",
+)
+
+
+@dataclass
+class PipelineReport:
+    recipe_name: str
+    stages: list[StageOutput] = field(default_factory=list)
+    evals: dict[str, StageOutput] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    total_seconds: float = 0.0
+
+    def add_stage(self, output: StageOutput) -> None:
+        self.stages.append(output)
+
+    def add_eval(self, label: str, output: StageOutput) -> None:
+        self.evals[label] = output
+
+    def eval_rows(self) -> list[tuple[str, list[str]]]:
+        return [(label, [_fmt(out.metrics.get(m)) for m in HEADLINE_METRICS]) for label, out in self.evals.items()]
+
+    def to_markdown(self) -> str:
+        lines = [f"# {self.recipe_name}: lifecycle results", "", "| model | " + " | ".join(HEADLINE_METRICS) + " |",
+                 "|---|" + "---|" * len(HEADLINE_METRICS)]
+        lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in self.eval_rows()]
+        lines += ["", "| stage | seconds | output |", "|---|---|---|"]
+        lines += [f"| {s.stage} | {s.seconds:.1f} | `{s.path}` |" for s in self.stages]
+        lines += ["", f"Total wall time: {self.total_seconds:.1f} s"]
+        lines += [f"- {note}" for note in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe_name,
+            "evals": {label: out.metrics for label, out in self.evals.items()},
+            "stages": {s.stage: {"path": s.path, "seconds": s.seconds, "key": s.key, **s.info} for s in self.stages},
+            "notes": list(self.notes),
+            "total_seconds": round(self.total_seconds, 1),
+        }
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if abs(value) >= 100:
+        return f"{value:.1f}"
+    return f"{value:.3f}"

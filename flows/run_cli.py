@@ -1,0 +1,78 @@
+"""`lifecycle run RECIPE` and `lifecycle ui`: the pipeline's own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from flows.environment import prepare_environment, resolve_workdir
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    run = subparsers.add_parser("run", help="run the lifecycle flow on a recipe (finished stages come from cache)")
+    run.add_argument("recipe", help="YAML recipe, e.g. configs/default.yaml")
+    run.set_defaults(func=_run)
+
+    ui = subparsers.add_parser("ui", help="start the MLflow UI on the pipeline's tracking store")
+    ui.add_argument("--recipe", help="recipe whose workdir to use (default: $LIFECYCLE_HOME or ./.lifecycle)")
+    ui.add_argument("--port", type=int, default=5000)
+    ui.set_defaults(func=_ui)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flows.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)  # validate before paying for Prefect's start-up
+    workdir = resolve_workdir(recipe.workdir)
+    prepare_environment(workdir)
+    from flows.lifecycle import lifecycle
+
+    started = time.perf_counter()
+    result = lifecycle(recipe_path=str(Path(args.recipe).resolve()))
+    _print_summary(result, time.perf_counter() - started)
+    return 0
+
+
+def _ui(args: argparse.Namespace) -> int:
+    from flows.recipe import load_recipe
+
+    workdir = resolve_workdir(load_recipe(args.recipe).workdir if args.recipe else None)
+    prepare_environment(workdir)
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", workdir.tracking_uri(),
+               "--host", "127.0.0.1", "--port", str(args.port)]
+    print("MLflow UI on http://127.0.0.1:%d (Ctrl-C to stop)" % args.port)
+    return subprocess.call(command, env=os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+
+
+def _print_summary(result: dict, seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from flows.report import HEADLINE_METRICS
+
+    console = Console()
+    table = Table(title=f"{result['recipe']}: eval results", show_lines=False)
+    table.add_column("model")
+    for metric in HEADLINE_METRICS:
+        table.add_column(metric, justify="right")
+    for label, metrics in result["evals"].items():
+        table.add_row(label, *[_fmt(metrics.get(m)) for m in HEADLINE_METRICS])
+    console.print(table)
+    stages = Table(title="stages")
+    for column in ("stage", "seconds", "output"):
+        stages.add_column(column)
+    for name, info in result["stages"].items():
+        stages.add_row(name, f"{info['seconds']:.1f}", str(info.get("path", "")))
+    console.print(stages)
+    for note in result.get("notes", []):
+        console.print(f"• {note}")
+    console.print(f"finished in {seconds:.1f} s (MLflow run {result['mlflow_run_id']})")
+    console.print(f"open the MLflow UI:  lifecycle ui    (or: mlflow ui --backend-store-uri {result['tracking_uri']})")
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else (f"{value:.1f}" if abs(value) >= 100 else f"{value:.3f}")

@@ -1,0 +1,132 @@
+"""One Prefect task that runs any pipeline stage: cached, tracked in MLflow, restart-safe.
+
+Why one generic task: every stage has the same life — derive a key from its config and its
+inputs' keys, write into a directory named by that key, log params/metrics into a nested MLflow
+run, and mark the directory complete last. Prefect caches on the key *only while the directory is
+complete*, so deleting an output re-runs exactly that stage and those after it, and a stage killed
+half-way is re-run (the stage itself resumes from its checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from prefect import task
+from prefect.context import TaskRunContext
+
+from artifacts.digests import digest_json
+from artifacts.errors import LifecycleError
+
+log = logging.getLogger("lifecycle")
+
+DONE_MARKER = "STAGE_DONE.json"
+
+
+@dataclass
+class StageOutput:
+    """What a finished stage hands to the next one (persisted as the Prefect task result)."""
+
+    stage: str
+    key: str
+    path: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class StageWork:
+    """What the stage must do: `run(out_dir, mlflow_run_id)` returns (metrics, info)."""
+
+    stage: str
+    key: str
+    out_dir: Path
+    run: Callable[[Path], tuple[dict[str, float], dict[str, Any]]]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def stage_key(stage: str, config: Any, *upstream_keys: str, extra: Any = None) -> str:
+    """Digest of everything that determines a stage's output: its config and its inputs' keys."""
+    payload = asdict(config) if is_dataclass(config) else config
+    return digest_json({"stage": stage, "config": payload, "upstream": list(upstream_keys), "extra": extra})
+
+
+def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str | None:
+    work: StageWork = parameters["work"]
+    if not (work.out_dir / DONE_MARKER).is_file():
+        return None  # never cached, or the output was removed: run it
+    return f"{work.stage}-{work.key}"
+
+
+def _is_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry crashes and infrastructure hiccups, never a user error (it would fail the same way)."""
+    try:
+        state.result()
+    except LifecycleError:
+        return False
+    except Exception:  # noqa: BLE001 - anything else may be transient (OOM-killer, disk, network)
+        return True
+    return False
+
+
+@task(
+    name="stage",
+    task_run_name="{work.stage}",
+    cache_key_fn=_cache_key,
+    persist_result=True,
+    retries=1,
+    retry_delay_seconds=2,
+    retry_condition_fn=_is_transient,
+)
+def run_stage(work: StageWork, parent_run_id: str | None) -> StageOutput:
+    started = time.perf_counter()
+    work.out_dir.mkdir(parents=True, exist_ok=True)
+    log.warning("stage %s → %s", work.stage, work.out_dir)
+    with mlflow.start_run(run_name=work.stage, nested=parent_run_id is not None, parent_run_id=parent_run_id) as run:
+        mlflow.set_tags({"lifecycle.stage": work.stage, "lifecycle.stage_key": work.key})
+        if work.params:
+            mlflow.log_params(_flatten(work.params))
+        metrics, info = work.run(work.out_dir)
+        if metrics:
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        mlflow.log_param("output_dir", str(work.out_dir))
+        output = StageOutput(
+            stage=work.stage,
+            key=work.key,
+            path=str(info.pop("path", work.out_dir)),
+            metrics={k: float(v) for k, v in metrics.items()},
+            info=info,
+            mlflow_run_id=run.info.run_id,
+            seconds=round(time.perf_counter() - started, 2),
+        )
+    _write_marker(work.out_dir, output)
+    return output
+
+
+def _write_marker(out_dir: Path, output: StageOutput) -> None:
+    tmp = out_dir / f".{DONE_MARKER}.tmp"
+    tmp.write_text(json.dumps(asdict(output), indent=2, default=str))
+    os.replace(tmp, out_dir / DONE_MARKER)
+
+
+def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """MLflow params are flat strings of ≤6000 chars; nested configs become dotted keys."""
+    flat: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if is_dataclass(value):
+            value = asdict(value)
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = str(value)[:6000]
+    return flat

@@ -1,0 +1,92 @@
+"""Paged attention plugged into Hugging Face models through transformers' attention interface.
+
+The model sees one flattened "batch" of shape [1, T]: the decode tokens of every decoding sequence
+first, then the prefill chunks, with ``position_ids`` giving each token's position in its own
+sequence. For every layer this function
+1. scatters the new K/V into the preallocated cache with one ``index_copy_`` over the slot mapping;
+2. runs all decode queries in one SDPA call over each sequence's K/V gathered into a padded tensor
+   (block-table gather, a key-padding mask), grouping query heads per KV head for GQA;
+3. runs each prefill chunk with SDPA: causal over its own K/V when nothing is cached before it,
+   else over its gathered context with an offset-causal mask.
+All index tensors are built once per step (``AttentionMetadata``) and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "llm_lifecycle_paged"
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row in the flattened batch
+    end: int
+    ctx_slots: Optional[torch.Tensor] = None  # [ctx] cache slots of the whole context, None if fresh
+    mask: Optional[torch.Tensor] = None  # [n, ctx] bool, True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    k_caches: list[torch.Tensor]  # per layer [num_slots, kv_heads, head_dim]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T]
+    num_decode: int = 0
+    decode_slots: Optional[torch.Tensor] = None  # [B, Lmax]
+    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, Lmax] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                            scaling: Optional[float] = None, dropout: float = 0.0,
+                            paged_metadata: Optional[AttentionMetadata] = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention over the paged KV cache; shapes follow the HF interface ([1, heads, T, head_dim])."""
+    meta = paged_metadata
+    if meta is None:
+        raise RuntimeError("paged attention called without paged_metadata (use the engine's ModelRunner)")
+    layer = module.layer_idx
+    kc, vc = meta.k_caches[layer], meta.v_caches[layer]
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, KVH, D]
+    v = value[0].transpose(0, 1)
+    kc.index_copy_(0, meta.slot_mapping, k)
+    vc.index_copy_(0, meta.slot_mapping, v)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    group = num_heads // kv_heads
+    out = torch.empty_like(q)
+
+    nd = meta.num_decode
+    if nd:
+        kd = kc[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
+        vd = vc[meta.decode_slots].transpose(1, 2)
+        qd = q[:nd].reshape(nd, kv_heads, group, head_dim)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
+
+    gqa = group > 1
+    for p in meta.prefills:
+        qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if p.ctx_slots is None:
+            kp = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            vp = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            kp = kc[p.ctx_slots].transpose(0, 1).unsqueeze(0)
+            vp = vc[p.ctx_slots].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scaling, enable_gqa=gqa)
+        out[p.start:p.end] = op[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the paged attention (and a no-op mask builder) with transformers; idempotent."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,54 @@
+"""Engine configuration: one dataclass, mapped 1:1 from YAML by the lead's loader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+_DTYPES = ("float32", "float16", "bfloat16", "auto")
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the continuous-batching engine.
+
+    The KV cache is sized either by ``num_blocks`` (exact, used by tests that force preemption) or by
+    ``kv_memory_bytes`` (a memory budget, the way a deployment thinks about it).
+    """
+
+    block_size: int = 16
+    kv_memory_bytes: int = 256 * 1024 * 1024
+    num_blocks: Optional[int] = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_queue: int = 256
+    max_model_len: Optional[int] = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: str = "float32"
+    device: str = "auto"
+    threads: Optional[int] = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
+        if self.num_blocks is None and self.kv_memory_bytes <= 0:
+            raise ValueError(f"kv_memory_bytes: must be > 0, got {self.kv_memory_bytes}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue: must be >= 0, got {self.max_queue}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {self.threads}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError("max_num_batched_tokens: must cover max_model_len when chunked prefill is off")

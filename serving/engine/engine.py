@@ -1,0 +1,295 @@
+"""LLMEngine: the step loop tying scheduler, block manager, model runner, sampler and detokenizer.
+
+Thread model: ``add_request`` and ``abort`` may be called from any thread (the API server's event
+loop); they only validate and put work into an inbox under a lock. ``step`` runs in one thread (the
+server's engine thread or the caller of ``generate``); it drains the inbox, schedules, runs one
+forward pass and returns the outputs of that step.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence as Seq
+
+from serving.engine.block_manager import BlockManager
+from serving.engine.config import EngineConfig
+from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.errors import InvalidRequestError, QueueFullError
+from serving.engine.model_runner import ModelRunner
+from serving.engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from serving.engine.sampler import Sampler, prompt_logprobs
+from serving.engine.sampling_params import SamplingParams
+from serving.engine.scheduler import Scheduler
+from serving.engine.sequence import Sequence
+
+
+def _eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gc = model_dir / "generation_config.json"
+    if gc.is_file():
+        v = json.loads(gc.read_text()).get("eos_token_id")
+        ids |= set(v if isinstance(v, list) else [v] if v is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer: Any, config: EngineConfig,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = min(config.max_model_len or runner.max_position, runner.max_position)
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler()
+        self.seqs: dict[str, Sequence] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._ids_in_use: set[str] = set()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_finished_total = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, config: Optional[EngineConfig] = None) -> "LLMEngine":
+        from transformers import AutoTokenizer
+
+        config = config or EngineConfig()
+        model_dir = Path(model_dir)
+        runner = ModelRunner(model_dir, config)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError):
+            tokenizer = None  # token-id-only serving
+        return cls(runner, tokenizer, config, _eos_ids(model_dir, tokenizer))
+
+    # ----------------------------------------------------------------- requests
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt: this model has no tokenizer; send token ids")
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check a request can ever be served; returns params with ``max_tokens`` resolved."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt: must contain at least one token")
+        vocab = self.runner.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt: token ids must be integers in [0, {vocab})")
+        if n >= self.max_model_len and not (params.max_tokens == 0 and n == self.max_model_len):
+            raise InvalidRequestError(f"prompt: {n} tokens exceeds the model's maximum context length "
+                                      f"{self.max_model_len}")
+        mt = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + mt > self.max_model_len:
+            raise InvalidRequestError(f"max_tokens: prompt ({n} tokens) + max_tokens ({mt}) exceeds the "
+                                      f"maximum context length {self.max_model_len}")
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if n + mt > capacity:
+            raise InvalidRequestError(f"max_tokens: prompt + max_tokens = {n + mt} tokens exceeds the KV cache "
+                                      f"({capacity} tokens); lower max_tokens")
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(f"prompt: {n} tokens exceeds max_num_batched_tokens "
+                                      f"{self.config.max_num_batched_tokens} (chunked prefill is off)")
+        if params.max_tokens != mt:
+            from dataclasses import replace
+            params = replace(params, max_tokens=mt)
+        return params
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams] = None,
+                    priority: int = 0, arrival_time: Optional[float] = None) -> None:
+        """Queue a request (thread-safe). Raises InvalidRequestError or QueueFullError (→ 400 / 429)."""
+        params = self.validate(list(prompt_token_ids), params or SamplingParams())
+        seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                       priority=priority, arrival_time=arrival_time or time.monotonic())
+        with self._lock:
+            if request_id in self._ids_in_use:
+                raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
+            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_queue:
+                raise QueueFullError(f"queue is full ({self.config.max_queue} requests waiting); retry later",
+                                     retry_after=1.0)
+            self._ids_in_use.add(request_id)
+            self._inbox.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe); its blocks are freed at the start of the next step."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts and self.seqs) or self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- step
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for seq in inbox:
+            self.seqs[seq.request_id] = seq
+            p = seq.params
+            if self.tokenizer is not None:
+                self.detoks[seq.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, seq.prompt_token_ids, p.stop, p.skip_special_tokens,
+                    p.include_stop_str_in_output)
+            if p.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
+            self.scheduler.add(seq)
+            self.prompt_tokens_total += seq.num_prompt_tokens
+        outs = []
+        for rid in aborts:
+            seq = self.seqs.get(rid)
+            if seq is None:
+                continue
+            seq.cancelled = True
+            seq.finish_reason = "abort"
+            outs.append(self._finish(seq))
+        return outs
+
+    def _finish(self, seq: Sequence, new_ids: Optional[list[int]] = None,
+                new_lp: Optional[list] = None) -> RequestOutput:
+        self.scheduler.remove(seq)
+        self.requests_finished_total += 1
+        out = self._output(seq, new_ids or [], new_lp, finished=True)
+        self.seqs.pop(seq.request_id, None)
+        self.detoks.pop(seq.request_id, None)
+        with self._lock:
+            self._ids_in_use.discard(seq.request_id)
+        return out
+
+    def _output(self, seq: Sequence, new_ids: list[int], new_lp: Optional[list], finished: bool) -> RequestOutput:
+        detok = self.detoks.get(seq.request_id)
+        text = detok.text if detok else ""
+        delta = detok.delta(finished) if detok else ""
+        if detok and not finished and not detok.stopped_on:
+            text = text[:detok.emitted]
+        comp = CompletionOutput(0, text, seq.output_token_ids,
+                                seq.logprobs if seq.params.logprobs is not None else None,
+                                seq.finish_reason if finished else None, seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, [comp], finished, delta, new_ids, new_lp,
+                             seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+                             seq.num_cached_tokens, seq.arrival_time, seq.first_token_time,
+                             time.monotonic() if finished else None)
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        """Append-time stop rules; the detokenizer handles stop strings. Sets finish_reason."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return True
+            if not p.ignore_eos and token in seq.eos_token_ids:
+                seq.finish_reason = "stop"
+                return True
+        return False
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling iteration and forward pass; return outputs of every touched request."""
+        outputs = self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return outputs
+        self.num_steps += 1
+        scheduled = plan.scheduled
+        flags = []
+        for item in scheduled:
+            seq = item.seq
+            done_prefill = seq.num_computed_tokens + item.num_tokens == seq.num_tokens
+            flags.append(done_prefill and seq.params.max_tokens > 0)
+        step_logits = self.runner.execute(scheduled, flags)
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.block_manager.commit_full_blocks(item.seq)
+        for i, first, logits in step_logits.prompt_logits:
+            seq = scheduled[i].seq
+            nxt = seq.prompt_token_ids[first:first + logits.shape[0]]
+            recs = prompt_logprobs(logits, nxt, seq.params.prompt_logprobs)
+            for r, rec in enumerate(recs):
+                if first + r == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(rec)
+        # prefill-only requests (max_tokens == 0) finish once their prompt is computed
+        for item, flag in zip(scheduled, flags):
+            seq = item.seq
+            if not flag and seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                seq.finish_reason = "length"
+                outputs.append(self._finish(seq))
+        if not step_logits.sample_rows:
+            return outputs
+        seqs = [scheduled[i].seq for i in step_logits.sample_rows]
+        result = self.sampler(step_logits.sample_logits, seqs)
+        now = time.monotonic()
+        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
+            seq.token_ids.append(tok)
+            self.generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            if lp is not None:
+                seq.logprobs.append(lp)
+            stopped = self._check_stop(seq, tok)
+            detok = self.detoks.get(seq.request_id)
+            if not stopped and detok is not None:
+                hit = detok.add_token(tok)
+                if hit is not None:
+                    seq.finish_reason, seq.stop_reason, stopped = "stop", hit, True
+            if not stopped and (seq.num_output_tokens >= seq.params.max_tokens
+                                or seq.num_tokens >= self.max_model_len):
+                seq.finish_reason, stopped = "length", True
+            lps = [lp] if lp is not None else None
+            if stopped:
+                outputs.append(self._finish(seq, [tok], lps))
+            else:
+                outputs.append(self._output(seq, [tok], lps, finished=False))
+        return outputs
+
+    # ----------------------------------------------------------------- batch API
+    def generate(self, prompts: Seq[str] | Seq[list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Blocking batch generation; returns one finished RequestOutput per prompt, in order."""
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError(f"params: got {len(plist)} for {len(prompts)} prompts")
+        ids = []
+        base = f"gen-{time.monotonic_ns()}"
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            toks = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"{base}-{i}"
+            ids.append(rid)
+            self._add_blocking(rid, toks, p)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r] for r in ids]
+
+    def _add_blocking(self, rid: str, toks: list[int], p: SamplingParams) -> None:
+        """add_request that steps the engine while the queue is full instead of failing."""
+        while True:
+            try:
+                self.add_request(rid, toks, p)
+                return
+            except QueueFullError:
+                self.step()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(num_running=len(self.scheduler.running),
+                           num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+                           kv_usage=bm.usage(), prefix_cache_hits=bm.prefix_cache_hits,
+                           prefix_cache_queries=bm.prefix_cache_queries,
+                           num_preemptions=self.scheduler.num_preemptions, num_blocks=bm.num_blocks,
+                           block_size=bm.block_size, num_free_blocks=bm.num_free_blocks,
+                           prompt_tokens_total=self.prompt_tokens_total,
+                           generation_tokens_total=self.generation_tokens_total,
+                           requests_finished_total=self.requests_finished_total, num_steps=self.num_steps)

@@ -1,0 +1,201 @@
+"""Loads the model, owns the KV-cache tensors, turns a scheduler plan into one forward pass.
+
+The model is the Hugging Face definition (Llama, Qwen, Mistral and the GPTQ/AWQ formats load through
+their libraries); only its attention is swapped for ``attention.paged_attention_forward`` through
+transformers' attention interface. Per step: build the flattened input ids, positions, slot mapping
+and decode gather indices (one tensor each, built once), run the forward with ``logits_to_keep`` set
+to the rows that need logits, and hand those logits back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from serving.engine import attention
+from serving.engine.attention import AttentionMetadata, PrefillChunk
+from serving.engine.config import EngineConfig
+from serving.engine.errors import ModelLoadError
+from serving.engine.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class StepLogits:
+    """Logits the sampler needs from one forward pass."""
+
+    sample_rows: list[int]  # index into ``scheduled`` of sequences that sample a token now
+    sample_logits: Optional[torch.Tensor]  # [len(sample_rows), V]
+    # (index into scheduled, first prompt position predicted, logits [n, V]) for prompt logprobs
+    prompt_logits: list[tuple[int, int, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        if config.threads and self.device.type == "cpu":
+            torch.set_num_threads(config.threads)
+        self.dtype = self._resolve_dtype(model_dir)
+        self.model = self._load(model_dir)
+        hf = self.model.config
+        text_cfg = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        self.num_layers = text_cfg.num_hidden_layers
+        self.num_heads = text_cfg.num_attention_heads
+        self.kv_heads = getattr(text_cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // self.num_heads
+        self.vocab_size = text_cfg.vocab_size
+        self.max_position = getattr(text_cfg, "max_position_embeddings", 2048)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        slots = self.num_blocks * self.block_size
+        cache_dtype = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+            else torch.float32
+        self.k_caches = [torch.zeros(slots, self.kv_heads, self.head_dim, dtype=cache_dtype,
+                                     device=self.device) for _ in range(self.num_layers)]
+        self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
+
+    # ----------------------------------------------------------------- loading
+    def _resolve_dtype(self, model_dir: str | Path) -> torch.dtype:
+        if self.config.dtype != "auto":
+            return _DTYPES[self.config.dtype]
+        return torch.float32 if self.device.type == "cpu" else torch.bfloat16
+
+    def _load(self, model_dir: str | Path) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: not a model directory (config.json missing)")
+        impl = attention.register()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, attn_implementation=impl)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{path}: cannot load model: {e}") from e
+        model.to(self.device)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+    def _num_blocks(self) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_block = 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * elem
+        n = self.config.kv_memory_bytes // per_block
+        if n < 1:
+            raise ModelLoadError(f"kv_memory_bytes: {self.config.kv_memory_bytes} bytes hold no KV block "
+                                 f"(one block needs {per_block})")
+        return int(n)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        elem = self.k_caches[0].element_size()
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * elem
+
+    # ----------------------------------------------------------------- batch preparation
+    def _prepare(self, scheduled: list[ScheduledSeq]):
+        """Flattened ids/positions/slots plus attention metadata; decodes must come first."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefill_specs: list[tuple[int, int, int, list[int]]] = []  # start, end, ctx_len, table
+        num_decode = 0
+        for item in scheduled:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            row0 = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1 and not prefill_specs:
+                decode_tables.append(table)
+                decode_lens.append(end)
+                num_decode += 1
+            else:
+                prefill_specs.append((row0, row0 + n, start, table))
+        dev = self.device
+        meta = AttentionMetadata(self.k_caches, self.v_caches,
+                                 torch.tensor(slots, dtype=torch.long, device=dev), num_decode=num_decode)
+        if num_decode:
+            lmax = max(decode_lens)
+            nblk = -(-lmax // bs)
+            tab = torch.zeros(num_decode, nblk, dtype=torch.long)
+            for i, t in enumerate(decode_tables):
+                k = min(len(t), nblk)
+                tab[i, :k] = torch.tensor(t[:k], dtype=torch.long)
+            offs = torch.arange(nblk * bs)
+            dslots = (tab[:, offs // bs] * bs + offs % bs)[:, :lmax]
+            lens = torch.tensor(decode_lens)
+            meta.decode_slots = dslots.to(dev)
+            meta.decode_mask = (torch.arange(lmax)[None, :] < lens[:, None]).view(num_decode, 1, 1, lmax).to(dev)
+        for row0, row1, start, table in prefill_specs:
+            if start == 0:
+                meta.prefills.append(PrefillChunk(row0, row1))
+                continue
+            n = row1 - row0
+            ctx = start + n
+            p = torch.arange(ctx)
+            t = torch.tensor(table, dtype=torch.long)
+            ctx_slots = (t[p // bs] * bs + p % bs).to(dev)
+            qpos = torch.arange(start, ctx)
+            mask = (p[None, :] <= qpos[:, None]).to(dev)
+            meta.prefills.append(PrefillChunk(row0, row1, ctx_slots, mask))
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
+        positions = torch.tensor([pos], dtype=torch.long, device=dev)
+        return input_ids, positions, meta
+
+    # ----------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq], sample_flags: list[bool]) -> StepLogits:
+        """One forward over the plan. ``sample_flags[i]``: scheduled[i] samples a token this step."""
+        input_ids, positions, meta = self._prepare(scheduled)
+        keep: list[int] = []
+        sample_rows: list[int] = []
+        prompt_spans: list[tuple[int, int, int, int]] = []  # sched idx, first prompt pos, keep lo, keep hi
+        row = 0
+        for i, item in enumerate(scheduled):
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                # row r predicts token at position start+r+1; keep those still inside the prompt
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                lo = len(keep)
+                keep.extend(range(row, row + (last - start)))
+                prompt_spans.append((i, start + 1, lo, len(keep)))
+            row += n
+        n_prompt_rows = len(keep)
+        row = 0
+        for i, item in enumerate(scheduled):
+            row += item.num_tokens
+            if sample_flags[i]:
+                keep.append(row - 1)
+                sample_rows.append(i)
+        if not keep:
+            keep = [0]
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                         logits_to_keep=keep_t, paged_metadata=meta)
+        logits = out.logits[0].float()
+        sample_logits = logits[n_prompt_rows:] if sample_rows else None
+        prompt_logits = [(i, first, logits[lo:hi]) for i, first, lo, hi in prompt_spans]
+        return StepLogits(sample_rows, sample_logits, prompt_logits)

@@ -1,0 +1,63 @@
+"""What the engine hands back: vLLM-shaped request outputs and an engine stats snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list[dict[int, float]]] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: Optional[int | str] = None
+
+
+@dataclass
+class RequestOutput:
+    """State of one request after a step. ``delta_*`` is what is new since the previous output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: Optional[list[dict[int, float]]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks held by live sequences
+    prefix_cache_hits: int  # tokens found in the prefix cache
+    prefix_cache_queries: int  # tokens looked up
+    num_preemptions: int
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    requests_finished_total: int
+    num_steps: int

@@ -1,0 +1,87 @@
+"""The per-request record the scheduler, block manager and runner share."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from serving.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request being generated.
+
+    ``token_ids`` is prompt + output so far. ``num_computed_tokens`` counts tokens whose KV is in the
+    cache; the next step computes ``token_ids[num_computed_tokens:]`` (or a chunk of it). Preemption by
+    recompute resets it to 0 and frees the block table; the token ids (prompt and output) are kept.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    # chained hashes of the full blocks at the head of block_table (prefix caching)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    cancelled: bool = False
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    num_preemptions: int = 0
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    # logprob records: one dict {token_id: logprob} per output token (sampled token first)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    # prompt_logprobs[i] is the record for prompt token i (None for the first one)
+    prompt_logprobs: list[Optional[dict[int, float]]] = field(default_factory=list)
+    # per-sequence torch.Generator when a seed is given (created by the sampler on first use)
+    generator: object = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token remains to be computed (the prompt, or after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the largest output the request may produce: what admission reserves."""
+        mt = self.params.max_tokens or 0
+        return self.num_prompt_tokens + mt

@@ -1,0 +1,118 @@
+"""Fixtures for the bundle tests: a tiny Llama model dir, a written bundle, and a real MLflow store.
+
+The model comes from the shared `micro_base_dir` fixture when tests/conftest.py provides it; until then
+(and as a fallback) a random-init 2-layer Llama with a freshly trained byte-level BPE tokenizer is built.
+Random weights are enough here: bundles are about bytes, shapes and contracts, not model quality.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from artifacts.manifest import Lineage
+from artifacts.writer import BundleConfig, write_bundle
+
+CHAT_TEMPLATE = (
+    "{{ '<s>' }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CORPUS = [f"question {i}: what is {i} + {i * 3}? Answer: {i * 4}. The quick brown fox jumps." for i in range(200)]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 300, corpus: list[str] | None = None):
+    """Train a tiny byte-level BPE with the project's special tokens and chat template; save to out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(corpus or CORPUS, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", additional_special_tokens=SPECIAL[3:],
+                                        model_max_length=256)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def build_tiny_llama(out_dir: Path, tie_word_embeddings: bool = False) -> Path:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out_dir)
+    end_ids = [tokenizer.convert_tokens_to_ids("<|end|>"), tokenizer.eos_token_id]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=end_ids, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=end_ids,
+                                               pad_token_id=tokenizer.pad_token_id, max_new_tokens=32)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_dir(request, tmp_path_factory) -> Path:
+    """The shared micro base model when available, else a random-init tiny Llama."""
+    try:
+        return Path(request.getfixturevalue("micro_base_dir"))
+    except pytest.FixtureLookupError:
+        return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def small_shard_size(model_dir) -> str:
+    """A shard limit that splits the model into about four shards, whatever its size."""
+    from artifacts.safetensors_io import read_header, source_weight_files
+
+    files = set(source_weight_files(model_dir).values())
+    total = sum(t.end - t.begin for f in files for t in read_header(f).values())
+    return f"{max(total // 4, 1)}B"
+
+
+@pytest.fixture(scope="session")
+def lineage() -> Lineage:
+    return Lineage(base_model="micro", stage_runs={"sft": "run-sft", "dpo": "run-dpo"},
+                   dataset_digests={"sft_train.jsonl": "ab" * 32}, git_commit="0" * 40)
+
+
+@pytest.fixture(scope="session")
+def session_bundle(model_dir, small_shard_size, lineage, tmp_path_factory) -> Path:
+    """One bundle written per session; tests that tamper with it work on a copy (see `bundle`)."""
+    out = tmp_path_factory.mktemp("bundles") / "tiny"
+    config = BundleConfig(name="tiny", version="1.0.0", max_shard_size=small_shard_size, tp_degrees=[1, 2])
+    return write_bundle(model_dir, out, config, lineage)
+
+
+@pytest.fixture()
+def bundle(session_bundle, tmp_path) -> Path:
+    """A private copy of the session bundle, free to tamper with."""
+    return Path(shutil.copytree(session_bundle, tmp_path / "bundle"))
+
+
+@pytest.fixture()
+def tracking_uri(tmp_path, monkeypatch) -> str:
+    """A real MLflow store: sqlite backend and a local artifact root, both in tmp."""
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.setenv("MLFLOW_DEFAULT_ARTIFACT_ROOT", str(tmp_path / "mlartifacts"))
+    return f"sqlite:///{tmp_path}/mlflow.db"

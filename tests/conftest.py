@@ -1,0 +1,46 @@
+"""Session-wide fixtures shared by every package's tests.
+
+`micro_base_dir` is a real (microscopic) embedded base model trained in seconds, and `micro_data_dir` a
+real data-stage output with small counts: later stages test against them instead of mocks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # the machine is shared: one thread is faster and fairer (see NOTES)
+
+
+@pytest.fixture(scope="session")
+def base_model_cache(tmp_path_factory) -> Path:
+    """One cache root per test session, so cache hits inside a session are real and sessions are hermetic."""
+    return tmp_path_factory.mktemp("base_models")
+
+
+@pytest.fixture(scope="session")
+def micro_base_dir(base_model_cache: Path) -> Path:
+    """A Hugging Face dir of the embedded `micro` preset (tiny Llama + chat tokenizer), built once."""
+    from training.base_model import BaseModelConfig, build_base_model
+
+    return build_base_model(BaseModelConfig(preset="micro"), base_model_cache)
+
+
+@pytest.fixture(scope="session")
+def micro_data_dir(tmp_path_factory) -> Path:
+    """`build_datasets` output with `training.data.micro_data_config()`: every contract file, small counts."""
+    from training.data import build_datasets, micro_data_config
+
+    out = tmp_path_factory.mktemp("micro_data") / "data"
+    build_datasets(micro_data_config(), out)
+    return out

@@ -1,0 +1,157 @@
+"""The data stage: every contract file, right schemas, digests, disjoint held-out, local overrides."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from artifacts.digests import sha256_file
+from training.data import (
+    FILES,
+    MANIFEST,
+    DataConfig,
+    DataManifest,
+    build_datasets,
+    micro_data_config,
+    read_jsonl,
+)
+from training.loaders import DatasetError
+from training.tasks import REFUSAL, TaskExample, check_answer, is_refusal
+from training.tokenizer import render_chat
+
+
+def _messages_ok(messages: list, roles: set[str]) -> bool:
+    return bool(messages) and all(set(m) == {"role", "content"} and m["role"] in roles
+                                  and isinstance(m["content"], str) for m in messages)
+
+
+def _user_prompts(data_dir: Path, name: str) -> set[str]:
+    out = set()
+    for r in read_jsonl(data_dir / name):
+        msgs = r["messages"] if "messages" in r else r["prompt"]
+        out |= {m["content"] for m in msgs if m["role"] == "user"}
+    return out
+
+
+def test_writes_every_file_with_its_digest(micro_data_dir: Path) -> None:
+    assert sorted(p.name for p in micro_data_dir.iterdir()) == sorted([*FILES, MANIFEST])
+    manifest = DataManifest.load(micro_data_dir)
+    for name in FILES:
+        assert manifest.files[name] == sha256_file(micro_data_dir / name)
+        assert manifest.counts[name] == len(read_jsonl(micro_data_dir / name)) > 0
+    assert DataConfig(**manifest.config) == micro_data_config()
+
+
+def test_schemas_follow_the_contract(micro_data_dir: Path) -> None:
+    for r in read_jsonl(micro_data_dir / "sft_train.jsonl"):
+        assert set(r) == {"messages"} and _messages_ok(r["messages"], {"user", "assistant"})
+        assert r["messages"][-1]["role"] == "assistant"
+    for name in ("pref_train.jsonl", "pref_heldout.jsonl"):
+        for r in read_jsonl(micro_data_dir / name):
+            assert set(r) == {"prompt", "chosen", "rejected"}
+            assert _messages_ok(r["prompt"], {"user"})
+            assert _messages_ok(r["chosen"], {"assistant"}) and _messages_ok(r["rejected"], {"assistant"})
+            assert r["chosen"] != r["rejected"]
+    for r in read_jsonl(micro_data_dir / "grpo_train.jsonl"):
+        assert set(r) == {"prompt", "answer", "task"} and _messages_ok(r["prompt"], {"user"})
+    for r in read_jsonl(micro_data_dir / "tasks_heldout.jsonl"):
+        assert set(r) == {"id", "task", "prompt", "answer"} and all(isinstance(v, str) for v in r.values())
+    for r in read_jsonl(micro_data_dir / "safety_heldout.jsonl"):
+        assert set(r) == {"id", "prompt", "category", "should_refuse"}
+        assert r["should_refuse"] == (r["category"] == "harmful")
+    for name in ("text_heldout.jsonl", "calibration.jsonl"):
+        assert all(set(r) == {"text"} and r["text"] for r in read_jsonl(micro_data_dir / name))
+
+
+def test_heldout_never_reaches_a_train_file(micro_data_dir: Path) -> None:
+    heldout = {r["prompt"] for r in read_jsonl(micro_data_dir / "tasks_heldout.jsonl")}
+    heldout |= {r["prompt"] for r in read_jsonl(micro_data_dir / "safety_heldout.jsonl")}
+    heldout |= _user_prompts(micro_data_dir, "pref_heldout.jsonl")
+    for name in ("sft_train.jsonl", "pref_train.jsonl", "grpo_train.jsonl"):
+        assert not heldout & _user_prompts(micro_data_dir, name), name
+    calibration = {r["text"] for r in read_jsonl(micro_data_dir / "calibration.jsonl")}
+    assert not calibration & {r["text"] for r in read_jsonl(micro_data_dir / "text_heldout.jsonl")}
+
+
+def _solve(prompt: str) -> TaskExample | None:
+    """Independent solver for the generated prompts (so the test does not trust the generator)."""
+    if prompt.startswith("What is "):
+        a, b = prompt.removeprefix("What is ").rstrip("?").split(" + ")
+        return TaskExample("x", "addition", prompt, str(int(a) + int(b)))
+    if prompt.startswith("Reverse the word: "):
+        return TaskExample("x", "reverse", prompt, prompt.rsplit(" ", 1)[-1][::-1])
+    return None
+
+
+def test_replies_teach_the_answer_format_and_refusals(micro_data_dir: Path) -> None:
+    sft = read_jsonl(micro_data_dir / "sft_train.jsonl")
+    refusals = [r for r in sft if r["messages"][-1]["content"] == REFUSAL]
+    assert refusals and len(refusals) < len(sft)
+    solved = 0
+    for r in sft:
+        ex = _solve(r["messages"][0]["content"])
+        if ex is not None:
+            assert r["messages"][-1]["content"] == f"Answer: {ex.answer}"
+            solved += 1
+    assert solved >= len(sft) // 2
+    kinds = {"wrong": 0, "format": 0}
+    for r in read_jsonl(micro_data_dir / "pref_train.jsonl"):
+        chosen, rejected = r["chosen"][0]["content"], r["rejected"][0]["content"]
+        ex = _solve(r["prompt"][0]["content"])
+        if ex is not None:
+            assert chosen == f"Answer: {ex.answer}" and not (check_answer(ex, rejected)
+                                                             and rejected.startswith("Answer:"))
+            kinds["wrong" if rejected.startswith("Answer:") else "format"] += 1
+        else:
+            assert is_refusal(chosen) != is_refusal(rejected)
+    assert kinds["wrong"] and kinds["format"]
+    for r in read_jsonl(micro_data_dir / "grpo_train.jsonl"):
+        assert _solve(r["prompt"][0]["content"]).answer == r["answer"]
+    texts = [r["text"] for r in read_jsonl(micro_data_dir / "calibration.jsonl")]
+    assert texts[0] == render_chat(sft[0]["messages"])
+
+
+def test_build_is_deterministic_and_replaces_atomically(tmp_path: Path) -> None:
+    config = replace(micro_data_config(), sft_per_task=8, pref_train_per_task=4, grpo_per_task=4)
+    first = build_datasets(config, tmp_path / "d")
+    second = build_datasets(config, tmp_path / "d")
+    assert first.files == second.files and first.digest == second.digest
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+    third = build_datasets(replace(config, seed=1), tmp_path / "d")
+    assert third.digest != first.digest
+
+
+def test_local_files_replace_generated_train_data(tmp_path: Path, micro_data_dir: Path) -> None:
+    heldout_prompt = read_jsonl(micro_data_dir / "tasks_heldout.jsonl")[0]["prompt"]
+    rows = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": str(i)}]}
+            for i in range(5)]
+    rows.append({"messages": [{"role": "user", "content": heldout_prompt},
+                              {"role": "assistant", "content": "Answer: 0"}]})
+    local = tmp_path / "mine.jsonl"
+    local.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    grpo = tmp_path / "mine_grpo.jsonl"
+    grpo.write_text(json.dumps({"prompt": "Say 3", "answer": "3"}) + "\n")
+    manifest = build_datasets(replace(micro_data_config(), sft_path=str(local), grpo_path=str(grpo)),
+                              tmp_path / "out")
+    sft = read_jsonl(tmp_path / "out" / "sft_train.jsonl")
+    assert len(sft) == 5 and heldout_prompt not in {r["messages"][0]["content"] for r in sft}
+    assert manifest.dropped_heldout_overlap == {"sft": 1, "grpo": 0}
+    assert read_jsonl(tmp_path / "out" / "grpo_train.jsonl")[0]["task"] == "custom"
+
+
+def test_bad_local_file_fails_before_writing(tmp_path: Path) -> None:
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text(json.dumps({"prompt": "q", "chosen": "a"}) + "\n")
+    with pytest.raises(DatasetError, match=r"pairs\.jsonl: missing field 'rejected'"):
+        build_datasets(replace(micro_data_config(), preference_path=str(bad)), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kwargs, field", [({"tasks": ["division"]}, "tasks"), ({"tasks": []}, "tasks"),
+                                           ({"sft_per_task": -1}, "sft_per_task")])
+def test_bad_config_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        DataConfig(**kwargs)

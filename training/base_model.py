@@ -1,0 +1,330 @@
+"""The embedded base model: tokenizer + Llama config + pretraining on the synthetic corpus.
+
+Why embedded: the pipeline must run end to end with nothing downloaded, so it trains its own tiny Llama
+in minutes. The result is a standard Hugging Face directory, cached under ``cache_root/<recipe digest>``:
+the same recipe never trains twice, and any stage (or vLLM, or llama.cpp's converter) can open it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from artifacts.digests import digest_json
+from artifacts.errors import LifecycleError
+from training.corpus import CorpusSpec, build_corpus
+from training.tokenizer import CHAT_TEMPLATE, END, EOS, end_token_ids, train_tokenizer
+
+RECIPE_VERSION = 1  # bump when the corpus or training code changes what a recipe produces
+PRETRAIN_LOG = "pretrain_log.json"
+RECIPE_FILE = "recipe.json"
+
+PRESETS: dict[str, dict[str, object]] = {
+    "micro": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
+                  steps=100, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=10,
+                  chats_per_task=300, facts_per_task=100, safety_repeats=1, plain_sentences=200),
+    "default": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=768,
+                    steps=2000, batch_size=32, seq_len=128, lr=2e-3, warmup_steps=100,
+                    chats_per_task=5000, facts_per_task=1000, safety_repeats=4, plain_sentences=2000),
+}
+
+
+class BaseModelError(LifecycleError):
+    """A base model source is unusable; the message names the path and what is missing."""
+
+
+@dataclass
+class BaseModelConfig:
+    """Recipe of the embedded base model. ``None`` fields take the preset's value.
+
+    ``threads`` (0 = leave torch's setting) and ``device`` ("auto" = CUDA when available) change speed,
+    not the recipe, so they are not part of the cache digest.
+    """
+
+    preset: str = "default"
+    hidden_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    max_position_embeddings: int = 256
+    vocab_size: int = 512
+    tie_embeddings: bool = True
+    steps: Optional[int] = None
+    batch_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    lr: Optional[float] = None
+    min_lr_ratio: float = 0.1
+    warmup_steps: Optional[int] = None
+    weight_decay: float = 0.01
+    chats_per_task: Optional[int] = None
+    facts_per_task: Optional[int] = None
+    safety_repeats: Optional[int] = None
+    plain_sentences: Optional[int] = None
+    tasks: list[str] = field(default_factory=lambda: ["addition", "reverse"])
+    seed: int = 0
+    threads: int = 0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset: unknown preset {self.preset!r} (known: {', '.join(PRESETS)})")
+        for name, value in PRESETS[self.preset].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "steps", "batch_size", "seq_len", "max_position_embeddings", "vocab_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        if self.seq_len > self.max_position_embeddings:
+            raise ValueError(f"seq_len: {self.seq_len} exceeds max_position_embeddings "
+                             f"{self.max_position_embeddings}")
+        if not self.lr or self.lr <= 0:
+            raise ValueError(f"lr: must be positive, got {self.lr}")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps: must be in [0, steps], got {self.warmup_steps}")
+        if self.threads < 0:
+            raise ValueError(f"threads: must be >= 0, got {self.threads}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+
+    def recipe(self) -> dict[str, object]:
+        """Everything that changes the trained weights (what the cache key is made of)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("preset", "threads", "device")}
+        out["recipe_version"] = RECIPE_VERSION
+        return out
+
+    def digest(self) -> str:
+        return digest_json(self.recipe())
+
+    def corpus_spec(self) -> CorpusSpec:
+        return CorpusSpec(tasks=tuple(self.tasks), chats_per_task=self.chats_per_task,
+                          facts_per_task=self.facts_per_task, safety_repeats=self.safety_repeats,
+                          plain_sentences=self.plain_sentences, seed=self.seed)
+
+
+@dataclass
+class BaseModelBuild:
+    """What `ensure_base_model` did: where the model is and whether it came from the cache."""
+
+    path: Path
+    cached: bool
+    seconds: float
+
+
+def default_cache_root() -> Path:
+    home = os.environ.get("LIFECYCLE_HOME")
+    root = Path(home) if home else Path(__file__).resolve().parents[1] / ".lifecycle"
+    return root / "base_models"
+
+
+def build_base_model(config: BaseModelConfig, cache_root: Path | str | None = None) -> Path:
+    """The HF directory of the model ``config`` describes, trained now or taken from the cache."""
+    return ensure_base_model(config, cache_root).path
+
+
+def ensure_base_model(config: BaseModelConfig, cache_root: Path | str | None = None) -> BaseModelBuild:
+    start = time.perf_counter()
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    target = root / config.digest()[:16]
+    if _is_complete(target):
+        return BaseModelBuild(target, cached=True, seconds=time.perf_counter() - start)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
+    try:
+        _train_into(config, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target):  # someone else finished first: theirs is as good as ours
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return BaseModelBuild(target, cached=False, seconds=time.perf_counter() - start)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / RECIPE_FILE).is_file() and (path / "model.safetensors").is_file()
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _lr_at(step: int, config: BaseModelConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    floor = config.lr * config.min_lr_ratio
+    return floor + 0.5 * (config.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _train_into(config: BaseModelConfig, out_dir: Path) -> None:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    previous_threads = torch.get_num_threads()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        torch.manual_seed(config.seed)
+        docs = build_corpus(config.corpus_spec())
+        tokenizer = train_tokenizer(docs, vocab_size=config.vocab_size)
+        stream = torch.tensor(
+            [i for ids in tokenizer(docs, add_special_tokens=False)["input_ids"] for i in ids],
+            dtype=torch.long)
+        if len(stream) <= config.seq_len + 1:
+            raise ValueError(f"seq_len: corpus has only {len(stream)} tokens, fewer than seq_len")
+
+        bos_id, eos_id = tokenizer.convert_tokens_to_ids("<s>"), tokenizer.convert_tokens_to_ids(EOS)
+        end_id = tokenizer.convert_tokens_to_ids(END)
+        model_config = LlamaConfig(
+            vocab_size=-(-len(tokenizer) // 64) * 64,  # padded to a multiple of 64 for kernels
+            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_kv_heads, max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=config.tie_embeddings, bos_token_id=bos_id, eos_token_id=[end_id, eos_id],
+            pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-5,
+        )
+        device = _pick_device(config.device)
+        model = LlamaForCausalLM(model_config).to(device)
+        log = _pretrain(model, stream, config, device)
+
+        model = model.to("cpu").float()
+        model.generation_config = GenerationConfig(
+            bos_token_id=bos_id, eos_token_id=end_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id,
+            do_sample=False)
+        model.save_pretrained(str(out_dir))
+        save_hf_tokenizer(tokenizer, out_dir)
+        log.update(corpus_documents=len(docs), corpus_tokens=len(stream),
+                   parameters=sum(p.numel() for p in model.parameters()))
+        (out_dir / PRETRAIN_LOG).write_text(json.dumps(log, indent=1))
+        recipe = {"digest": config.digest(), "preset": config.preset, "recipe": config.recipe()}
+        (out_dir / RECIPE_FILE).write_text(json.dumps(recipe, indent=1, sort_keys=True))
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def save_hf_tokenizer(tokenizer, out_dir: Path) -> None:
+    """Save, then also put the chat template in tokenizer_config.json (the contract's place for it)."""
+    tokenizer.save_pretrained(str(out_dir))
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+
+def _pretrain(model, stream: torch.Tensor, config: BaseModelConfig, device: torch.device) -> dict:
+    """Plain-torch next-token training on random windows of the packed token stream."""
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.95))
+    generator = torch.Generator().manual_seed(config.seed)
+    offsets = torch.arange(config.seq_len)
+    log_every = max(1, config.steps // 100)
+    steps, losses, lrs = [], [], []
+    running, count, tokens = 0.0, 0, 0
+    start = time.perf_counter()
+    use_bf16 = device.type == "cuda"
+    bar = tqdm(range(config.steps), desc=f"pretrain {config.preset}", unit="step", mininterval=2.0)
+    for step in bar:
+        lr = _lr_at(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, len(stream) - config.seq_len, (config.batch_size,), generator=generator)
+        batch = stream[starts[:, None] + offsets].to(device)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        running += loss.item()
+        count += 1
+        tokens += batch.numel()
+        if (step + 1) % log_every == 0 or step + 1 == config.steps:
+            steps.append(step + 1)
+            losses.append(running / count)
+            lrs.append(lr)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{running / count:.3f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
+            running, count = 0.0, 0
+    bar.close()
+    model.eval()
+    seconds = time.perf_counter() - start
+    return {"step": steps, "loss": losses, "lr": lrs, "train_seconds": seconds, "tokens": tokens,
+            "tokens_per_second": tokens / seconds if seconds else 0.0, "threads": torch.get_num_threads(),
+            "device": str(device), "config": asdict(config)}
+
+
+# --- resolving a user's choice ----------------------------------------------------------------------------
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_base_model(source: str, cache_root: Path | str | None = None,
+                       config: Optional[BaseModelConfig] = None) -> Path:
+    """``"embedded"`` (or ``"embedded:<preset>"``) builds/reuses the embedded model; otherwise ``source``
+    must be a local Hugging Face causal-LM directory (nothing is downloaded)."""
+    if source == "embedded" or source.startswith("embedded:"):
+        if config is None:
+            preset = source.partition(":")[2] or "default"
+            try:
+                config = BaseModelConfig(preset=preset)
+            except ValueError as exc:
+                raise BaseModelError(f"base model {source!r}: {exc}") from None
+        return build_base_model(config, cache_root)
+    return validate_model_dir(Path(source))
+
+
+def validate_model_dir(path: Path) -> Path:
+    """Check that ``path`` is a loadable causal-LM directory; BaseModelError says what is missing."""
+    if not path.exists():
+        raise BaseModelError(f"base model {path}: no such directory (and not 'embedded')")
+    if not path.is_dir():
+        raise BaseModelError(f"base model {path}: not a directory")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise BaseModelError(f"base model {path}: missing config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BaseModelError(f"base model {path}: config.json is not valid JSON ({exc})") from None
+    if "model_type" not in raw:
+        raise BaseModelError(f"base model {path}: config.json has no model_type")
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, OSError, KeyError) as exc:
+        raise BaseModelError(f"base model {path}: config.json does not load ({exc})") from None
+    if hf_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise BaseModelError(f"base model {path}: model_type {hf_config.model_type!r} is not a causal LM")
+    if not any((path / name).is_file() for name in _WEIGHT_FILES) and not list(path.glob("*.safetensors")):
+        raise BaseModelError(f"base model {path}: missing weights (model.safetensors or an index)")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise BaseModelError(f"base model {path}: missing tokenizer (tokenizer.json)")
+    return path

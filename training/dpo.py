@@ -1,0 +1,51 @@
+"""Direct preference optimisation stage on `pref_train.jsonl` (TRL DPOTrainer + LoRA).
+
+The reference model is the stage's input model: TRL computes reference log-probs with the LoRA adapters
+switched off, so no second copy of the weights is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from training.hardware import TrainingError
+from training.lora import keep_adapters_fp32
+from training.stage_config import DPOStageConfig, StageResult
+from training.stages import EvalFn, StageContext, StageSpec, run_stage
+
+_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+def _is_turns(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "content" in m for m in value)
+
+
+def _to_rows(records: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for i, record in enumerate(records, 1):
+        if not all(_is_turns(record[c]) for c in _COLUMNS):
+            raise TrainingError(f"{path}: record {i}: 'prompt', 'chosen' and 'rejected' must be lists of chat "
+                                "turns (TRL conversational preference format)")
+        rows.append({c: record[c] for c in _COLUMNS})
+    return rows
+
+
+def _build_trainer(ctx: StageContext):
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(**ctx.args, beta=ctx.config.beta, max_length=ctx.config.max_seq_len)
+    trainer = DPOTrainer(model=ctx.model, ref_model=None, args=args, train_dataset=ctx.dataset,
+                         processing_class=ctx.tokenizer)
+    keep_adapters_fp32(trainer.model, ctx.hw)
+    return trainer
+
+
+DPO_SPEC = StageSpec(name="dpo", data_file="pref_train.jsonl", required_columns=_COLUMNS, to_rows=_to_rows,
+                     build_trainer=_build_trainer)
+
+
+def run_dpo(config: DPOStageConfig, model_dir: Path, data_dir: Path, output_dir: Path,
+            evaluate: EvalFn | None = None) -> StageResult:
+    """DPO from `model_dir` (SFT's output; also the reference model) on `data_dir/pref_train.jsonl`."""
+    return run_stage(DPO_SPEC, config, model_dir, data_dir, output_dir, evaluate)

@@ -1,0 +1,77 @@
+"""Device, precision and thread choices made from the hardware at run time, so one recipe runs on CPU and CUDA.
+
+TRL's config defaults (bf16 on, gradient checkpointing on, pinned dataloader memory) fail or crawl on a CPU;
+`trainer_hardware_kwargs` returns the TrainingArguments overrides that fit the machine the stage runs on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from artifacts.errors import LifecycleError
+
+
+class TrainingError(LifecycleError):
+    """A training stage cannot start or finish: bad dataset, bad LoRA target, unsupported hardware request."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # "cuda" or "cpu"
+    bf16: bool  # train in bf16 autocast (only where the device supports it natively)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+
+def detect_hardware() -> Hardware:
+    """CUDA if present (bf16 when the GPU supports it), else CPU in fp32 (bf16 on AVX2 CPUs is ~10× slower)."""
+    if torch.cuda.is_available():
+        return Hardware(device="cuda", bf16=bool(torch.cuda.is_bf16_supported()))
+    return Hardware(device="cpu", bf16=False)
+
+
+def configure_threads() -> int:
+    """Honour LIFECYCLE_TORCH_THREADS (one thread often beats two on a busy shared CPU); returns the count used."""
+    wanted = os.environ.get("LIFECYCLE_TORCH_THREADS")
+    if wanted:
+        torch.set_num_threads(max(1, int(wanted)))
+    return torch.get_num_threads()
+
+
+def trainer_hardware_kwargs(hw: Hardware) -> dict:
+    """TrainingArguments overrides that make TRL's configs correct for this machine."""
+    return {
+        "use_cpu": hw.device == "cpu",
+        "bf16": hw.bf16,
+        "fp16": False,
+        "gradient_checkpointing": False,
+        "dataloader_pin_memory": hw.device == "cuda",
+        "dataloader_num_workers": 0,
+    }
+
+
+def _probe_4bit(device: str) -> None:
+    """Quantize and dequantize one small tensor in NF4 on `device`; raises whatever bitsandbytes raises."""
+    import bitsandbytes.functional as bnbf
+
+    weights = torch.randn(64, 64, device=device)
+    packed, state = bnbf.quantize_4bit(weights, quant_type="nf4")
+    restored = bnbf.dequantize_4bit(packed, state, quant_type="nf4")
+    if restored.shape != weights.shape or not torch.isfinite(restored).all():
+        raise RuntimeError("NF4 round trip returned a wrong or non-finite tensor")
+
+
+def check_4bit_support(hw: Hardware) -> None:
+    """Fail before training when QLoRA is asked for on hardware bitsandbytes cannot serve."""
+    try:
+        _probe_4bit(hw.device)
+    except Exception as exc:  # ImportError, missing native library, unsupported device...
+        raise TrainingError(
+            f"lora.qlora: 4-bit NF4 loading is not available on this machine ({hw.device}): "
+            f"{type(exc).__name__}: {exc}. Set lora.qlora: false to train plain LoRA."
+        ) from exc

@@ -1,0 +1,100 @@
+"""GRPO reward functions: verifiable answer correctness, chat-format compliance, optional length penalty.
+
+Each function follows TRL's reward-function protocol: called with `prompts`, `completions` (conversational:
+a list of `[{"role": "assistant", "content": ...}]`, or plain strings), `completion_ids` and every extra dataset
+column (`answer`, `task`) as keyword lists; returns one float per completion. The answer contract is the one the
+evals check: the reply, stripped, is exactly one line `Answer: <answer>` and generation stopped on an eos id.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_ANSWER_LINE = re.compile(r"^Answer: (\S(?:.*\S)?)$")
+
+
+def completion_text(completion: Any) -> str:
+    """The assistant text of one completion, whether TRL passes a string or a list of chat messages."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def extract_answer(text: str) -> str | None:
+    """The `<answer>` of a well-formed reply (`Answer: <answer>` on its only line), else None."""
+    match = _ANSWER_LINE.match(text.strip())
+    return match.group(1) if match else None
+
+
+def answer_is_correct(reply: str, reference: str, task: str | None = None) -> bool:
+    """Verifiable check through the task's own comparison (`training.tasks.answer_matches`): numbers compare
+    numerically, words case-insensitively; the answer is read from the reply's `Answer: X` line."""
+    from training.tasks import answer_matches, parse_answer
+
+    return answer_matches(task or "", parse_answer(reply), str(reference))
+
+
+def correctness_reward(completions: Sequence[Any], answer: Sequence[str], task: Sequence[str] | None = None,
+                       **_: Any) -> list[float]:
+    """1.0 when the reply states the reference answer in the `Answer: X` format, else 0.0."""
+    tasks = list(task) if task is not None else [None] * len(completions)
+    return [
+        1.0 if answer_is_correct(completion_text(c), ref, t) else 0.0
+        for c, ref, t in zip(completions, answer, tasks)
+    ]
+
+
+def make_format_reward(eos_token_ids: Sequence[int]) -> Callable[..., list[float]]:
+    """Reward 1.0 for exactly one `Answer: ...` line that ended on an eos id (not on the token limit)."""
+    eos = set(int(i) for i in eos_token_ids)
+
+    def format_reward(completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None = None,
+                      **_: Any) -> list[float]:
+        scores = []
+        for i, completion in enumerate(completions):
+            ok = extract_answer(completion_text(completion)) is not None
+            if ok and completion_ids is not None and eos:
+                ids = list(completion_ids[i])
+                ok = bool(ids) and int(ids[-1]) in eos
+            scores.append(1.0 if ok else 0.0)
+        return scores
+
+    return format_reward
+
+
+def make_length_penalty(per_token: float, target_tokens: int) -> Callable[..., list[float]]:
+    """Negative reward of `per_token` for each completion token beyond `target_tokens` (0 when short enough)."""
+
+    def length_penalty(completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None = None,
+                       **_: Any) -> list[float]:
+        if completion_ids is None:
+            lengths = [len(completion_text(c).split()) for c in completions]
+        else:
+            lengths = [len(ids) for ids in completion_ids]
+        return [-per_token * max(0, n - target_tokens) for n in lengths]
+
+    return length_penalty
+
+
+def build_reward_functions(correctness_weight: float, format_weight: float, length_penalty: float,
+                           length_target_tokens: int, eos_token_ids: Sequence[int]
+                           ) -> tuple[list[Callable[..., list[float]]], list[float]]:
+    """The reward functions a GRPO recipe asks for and their weights (a zero weight drops the function)."""
+    funcs: list[Callable[..., list[float]]] = []
+    weights: list[float] = []
+    if correctness_weight > 0:
+        funcs.append(correctness_reward)
+        weights.append(correctness_weight)
+    if format_weight > 0:
+        funcs.append(make_format_reward(eos_token_ids))
+        weights.append(format_weight)
+    if length_penalty > 0:
+        funcs.append(make_length_penalty(length_penalty, length_target_tokens))
+        weights.append(1.0)
+    if not funcs:
+        raise ValueError("correctness_weight/format_weight/length_penalty: at least one reward must be on")
+    return funcs, weights

@@ -1,0 +1,161 @@
+"""Config dataclasses of the post-training stages (SFT, DPO, GRPO) and the record each stage returns.
+
+The field names are the YAML keys of the recipe's `sft:`, `dpo:` and `grpo:` sections (the lead's loader maps
+them 1:1 and rejects unknown keys), so every default lives here and nowhere else. Values are checked in
+`__post_init__` with `ValueError("<field>: reason")`, which the loader turns into a `ConfigError` naming the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _check_positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name}: must be > 0, got {value}")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter shape; `qlora` loads the frozen base in 4-bit NF4 (bitsandbytes) under the adapters."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    qlora: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "r", "alpha")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise ValueError("target_modules: must be a non-empty list of module names")
+
+
+@dataclass
+class _StageBase:
+    """Fields every stage shares: schedule, batch shape, checkpointing and logging cadence."""
+
+    enabled: bool = True
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    max_steps: int = 100
+    epochs: Optional[float] = None  # used only when max_steps is 0 or less (then the whole dataset `epochs` times)
+    learning_rate: float = 2e-4
+    lr_scheduler: str = "linear"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_seq_len: int = 128
+    save_steps: int = 50
+    logging_steps: int = 5
+    seed: int = 0
+    max_train_examples: Optional[int] = None  # cap on the training rows read (None = all)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # tolerate a plain mapping from YAML for the nested section
+            self.lora = LoraSettings(**self.lora)
+        if self.max_steps <= 0 and not self.epochs:
+            raise ValueError("max_steps: must be > 0 unless epochs is set")
+        _check_positive(self, "learning_rate", "batch_size", "grad_accum", "max_seq_len", "save_steps",
+                        "logging_steps", "epochs", "max_train_examples")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+        if self.lr_scheduler not in {"linear", "cosine", "constant", "constant_with_warmup"}:
+            raise ValueError(f"lr_scheduler: unknown schedule {self.lr_scheduler!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SFTStageConfig(_StageBase):
+    """Supervised fine-tuning on chat transcripts; loss on the assistant reply only."""
+
+    learning_rate: float = 1e-3
+    max_steps: int = 300
+
+
+@dataclass
+class DPOStageConfig(_StageBase):
+    """Direct preference optimisation; the reference model is the stage's input model (adapters off)."""
+
+    learning_rate: float = 5e-4
+    max_steps: int = 150
+    beta: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "beta")
+
+
+@dataclass
+class GRPOStageConfig(_StageBase):
+    """Group-relative policy optimisation against verifiable rewards (see training/rewards.py).
+
+    `batch_size` counts completions per device step and must be a multiple of `num_generations`
+    (the group size); `beta` is the KL weight against the input model (0 drops the reference model).
+    """
+
+    learning_rate: float = 5e-4
+    max_steps: int = 60
+    batch_size: int = 16
+    num_generations: int = 8
+    beta: float = 0.02
+    max_completion_length: int = 16
+    temperature: float = 1.0
+    correctness_weight: float = 1.0
+    format_weight: float = 0.2
+    length_penalty: float = 0.0  # reward −length_penalty per completion token beyond `length_target_tokens`
+    length_target_tokens: int = 8
+    num_iterations: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "num_generations", "max_completion_length", "temperature", "num_iterations")
+        if self.num_generations < 2:
+            raise ValueError("num_generations: a group needs at least 2 completions to compare")
+        if self.batch_size % self.num_generations:
+            raise ValueError(
+                f"batch_size: must be a multiple of num_generations ({self.num_generations}), got {self.batch_size}"
+            )
+        if self.beta < 0 or self.length_penalty < 0 or self.correctness_weight < 0 or self.format_weight < 0:
+            raise ValueError("beta/length_penalty/correctness_weight/format_weight: must be >= 0")
+
+
+@dataclass
+class StageResult:
+    """What a stage hands on: `output_dir` is the merged full-precision HF dir the next stage starts from."""
+
+    stage: str
+    output_dir: Path
+    adapter_dir: Optional[Path]
+    metrics: dict[str, float] = field(default_factory=dict)
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    skipped: bool = False  # True when the stage was disabled or had already finished (completion marker found)
+    resumed_from_step: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["output_dir"] = str(self.output_dir)
+        data["adapter_dir"] = str(self.adapter_dir) if self.adapter_dir else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StageResult":
+        return cls(
+            stage=data["stage"],
+            output_dir=Path(data["output_dir"]),
+            adapter_dir=Path(data["adapter_dir"]) if data.get("adapter_dir") else None,
+            metrics=dict(data.get("metrics", {})),
+            log_history=list(data.get("log_history", [])),
+            skipped=bool(data.get("skipped", False)),
+            resumed_from_step=int(data.get("resumed_from_step", 0)),
+        )

@@ -1,0 +1,267 @@
+"""The recipe every post-training stage follows, read top to bottom in `run_stage`.
+
+check data → skip if finished → load model + adapters (all checks before any training) → build the TRL trainer
+→ train, resuming from the newest checkpoint → save adapter → merge into a full HF dir → log to MLflow → write
+the completion marker last. sft.py, dpo.py and grpo.py only say what differs: data columns and the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from artifacts.digests import sha256_file
+from training.checkpoints import (
+    CHECKPOINTS_DIR,
+    clear_stale_outputs,
+    is_complete,
+    prepare_checkpoints,
+    read_marker,
+    stage_fingerprint,
+    write_json_atomic,
+    write_marker,
+)
+from training.hardware import Hardware, TrainingError, configure_threads, detect_hardware, trainer_hardware_kwargs
+from training.stage_config import StageResult
+
+log = logging.getLogger(__name__)
+
+EvalFn = Callable[[Path], dict[str, float]]
+RESULT_NAME = "stage_result.json"
+LOG_NAME = "train_log.json"
+
+
+@dataclass
+class StageContext:
+    """Everything a stage's trainer builder needs, gathered by `run_stage`."""
+
+    config: Any
+    hw: Hardware
+    model_dir: Path
+    output_dir: Path
+    checkpoints_dir: Path
+    tokenizer: Any
+    model: Any  # PeftModel with fresh adapters
+    dataset: Any  # datasets.Dataset in the trainer's format
+    args: dict[str, Any]  # TrainingArguments fields common to every stage
+    artifacts: list[Path] = field(default_factory=list)  # extra files to log to MLflow
+
+
+@dataclass
+class StageSpec:
+    name: str
+    data_file: str
+    required_columns: tuple[str, ...]
+    to_rows: Callable[[list[dict[str, Any]], Path], list[dict[str, Any]]]  # validate + convert records
+    build_trainer: Callable[[StageContext], Any]
+    after_train: Optional[Callable[[StageContext, list[dict[str, Any]]], dict[str, float]]] = None
+
+
+def load_records(data_dir: Path, spec: StageSpec, limit: int | None) -> tuple[list[dict[str, Any]], Path]:
+    """Read the stage's JSONL file; a missing file or column is one TrainingError naming file and columns."""
+    path = Path(data_dir) / spec.data_file
+    if not path.is_file():
+        raise TrainingError(f"{path}: {spec.name} needs this dataset file, and it does not exist")
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TrainingError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            missing = [c for c in spec.required_columns if c not in record]
+            if missing:
+                raise TrainingError(
+                    f"{path}:{lineno}: missing column(s) {missing}; {spec.name} needs {list(spec.required_columns)}"
+                )
+            records.append(record)
+            if limit is not None and len(records) >= limit:
+                break
+    if not records:
+        raise TrainingError(f"{path}: no records; {spec.name} needs at least one")
+    return records, path
+
+
+def _common_args(config: Any, hw: Hardware, checkpoints_dir: Path) -> dict[str, Any]:
+    args = {
+        "output_dir": str(checkpoints_dir),
+        "learning_rate": config.learning_rate,
+        "lr_scheduler_type": config.lr_scheduler,
+        "warmup_steps": config.warmup_ratio,
+        "weight_decay": config.weight_decay,
+        "per_device_train_batch_size": config.batch_size,
+        "gradient_accumulation_steps": config.grad_accum,
+        "max_steps": config.max_steps if config.max_steps > 0 else -1,
+        "num_train_epochs": config.epochs or 1.0,
+        "logging_steps": config.logging_steps,
+        "logging_first_step": True,
+        "save_strategy": "steps",
+        "save_steps": config.save_steps,
+        "save_total_limit": 2,
+        "seed": config.seed,
+        "data_seed": config.seed,
+        "report_to": "none",
+        "remove_unused_columns": True,
+        "disable_tqdm": False,
+    }
+    args.update(trainer_hardware_kwargs(hw))
+    return args
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        raise TrainingError(f"{model_dir}: the tokenizer has no chat_template; the stages train on chat data")
+    return tokenizer
+
+
+def _metrics_from_history(history: list[dict[str, Any]], train_output: Any) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for key, value in (getattr(train_output, "metrics", None) or {}).items():
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            metrics[key] = float(value)
+    step_rows = [row for row in history if "loss" in row or "reward" in row]
+    if step_rows:
+        for key, value in step_rows[0].items():
+            if isinstance(value, (int, float)) and key not in {"step", "epoch"}:
+                metrics[f"first_{key}"] = float(value)
+        for key, value in step_rows[-1].items():
+            if isinstance(value, (int, float)) and key not in {"step", "epoch"}:
+                metrics[f"last_{key}"] = float(value)
+    return metrics
+
+
+def _log_mlflow(spec: StageSpec, config: Any, result: StageResult, data_digests: dict[str, str],
+                artifacts: list[Path]) -> None:
+    """Log into the active MLflow run (the flow's nested stage run); nothing when no run is active."""
+    import mlflow
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    run = mlflow.active_run()
+    if run is None:
+        return
+    params = {f"{spec.name}.{k}": v for k, v in _flatten(config.to_dict()).items()}
+    params.update({f"data.{name}.sha256": digest for name, digest in data_digests.items()})
+    params["output_dir"] = str(result.output_dir)
+    params["adapter_dir"] = str(result.adapter_dir)
+    now = int(time.time() * 1000)
+    metrics = []
+    for row in result.log_history:
+        step = int(row.get("step", 0))
+        for key, value in row.items():
+            if key in {"step", "epoch"} or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            metrics.append(Metric(f"train/{key}", float(value), now, step))
+    metrics += [Metric(k, v, now, 0) for k, v in result.metrics.items() if math.isfinite(v)]
+    client = MlflowClient()
+    param_list = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    for i in range(0, len(param_list), 90):  # MLflow caps a batch at 100 params and 1000 metrics
+        client.log_batch(run.info.run_id, params=param_list[i:i + 90])
+    for i in range(0, len(metrics), 900):
+        client.log_batch(run.info.run_id, metrics=metrics[i:i + 900])
+    client.set_tag(run.info.run_id, "stage", spec.name)
+    client.set_tag(run.info.run_id, "output_dir", str(result.output_dir))
+    for path in artifacts:
+        if path.exists():
+            client.log_artifact(run.info.run_id, str(path))
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, output_dir: Path,
+              evaluate: EvalFn | None = None) -> StageResult:
+    """Run one post-training stage; see the module docstring for the order of events."""
+    from training.lora import attach_adapters, load_base_model
+    from training.merge import merge_adapter
+
+    model_dir, data_dir, output_dir = Path(model_dir), Path(data_dir), Path(output_dir)
+    if not config.enabled:  # switched off in the recipe: the next stage starts from this stage's input
+        return StageResult(stage=spec.name, output_dir=model_dir, adapter_dir=None, skipped=True)
+    if not (model_dir / "config.json").is_file():
+        raise TrainingError(f"{model_dir}: no config.json, not a Hugging Face model directory")
+
+    records, data_path = load_records(data_dir, spec, config.max_train_examples)
+    data_digests = {data_path.name: sha256_file(data_path)}
+    fingerprint = stage_fingerprint(spec.name, config.to_dict(), model_dir, data_digests)
+    if is_complete(output_dir, fingerprint) and (output_dir / RESULT_NAME).is_file():
+        result = StageResult.from_dict(json.loads((output_dir / RESULT_NAME).read_text(encoding="utf-8")))
+        result.skipped = True
+        log.info("%s: already finished in %s, skipped", spec.name, output_dir)
+        return result
+    if read_marker(output_dir) is not None:
+        clear_stale_outputs(output_dir)
+
+    rows = spec.to_rows(records, data_path)
+    hw = detect_hardware()
+    configure_threads()
+    tokenizer = _load_tokenizer(model_dir)
+    model = attach_adapters(load_base_model(model_dir, config.lora, hw), config.lora)  # checks targets, 4-bit
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints_dir, resume_from = prepare_checkpoints(output_dir, fingerprint)
+    from datasets import Dataset
+
+    ctx = StageContext(config=config, hw=hw, model_dir=model_dir, output_dir=output_dir,
+                       checkpoints_dir=checkpoints_dir, tokenizer=tokenizer, model=model,
+                       dataset=Dataset.from_list(rows), args=_common_args(config, hw, checkpoints_dir))
+    before = {f"before/{k}": float(v) for k, v in (evaluate(model_dir) if evaluate else {}).items()}
+
+    trainer = spec.build_trainer(ctx)
+    resumed_from_step = 0
+    if resume_from is not None:
+        resumed_from_step = int(resume_from.name.rsplit("-", 1)[-1])
+        log.info("%s: resuming from %s", spec.name, resume_from)
+    started = time.monotonic()
+    train_output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    history = list(trainer.state.log_history)
+
+    adapter_dir = output_dir / "adapter"
+    tmp_adapter = output_dir / ".adapter.tmp"
+    shutil.rmtree(tmp_adapter, ignore_errors=True)
+    trainer.model.save_pretrained(str(tmp_adapter))
+    shutil.rmtree(adapter_dir, ignore_errors=True)
+    os.replace(tmp_adapter, adapter_dir)
+    del trainer, model
+    merge_adapter(adapter_dir, model_dir, output_dir)  # onto the unquantized input weights, also for QLoRA
+
+    metrics = _metrics_from_history(history, train_output)
+    metrics["train_wall_seconds"] = round(time.monotonic() - started, 2)
+    metrics["resumed_from_step"] = float(resumed_from_step)
+    if spec.after_train is not None:
+        metrics.update(spec.after_train(ctx, history))
+    metrics.update(before)
+    if evaluate:
+        metrics.update({f"after/{k}": float(v) for k, v in evaluate(output_dir).items()})
+
+    result = StageResult(stage=spec.name, output_dir=output_dir, adapter_dir=adapter_dir, metrics=metrics,
+                         log_history=history, resumed_from_step=resumed_from_step)
+    write_json_atomic(output_dir / LOG_NAME, history)
+    _log_mlflow(spec, config, result, data_digests, [output_dir / LOG_NAME, *ctx.artifacts])
+    shutil.rmtree(output_dir / CHECKPOINTS_DIR, ignore_errors=True)
+    write_json_atomic(output_dir / RESULT_NAME, result.to_dict())
+    write_marker(output_dir, fingerprint, {"stage": spec.name, "data": data_digests})  # last: the stage is done
+    return result
