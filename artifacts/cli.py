@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from artifacts.errors import ConfigError, LifecycleError
 from artifacts.manifest import Lineage, Manifest, manifest_digest
@@ -28,9 +28,9 @@ def _summary(bundle: Path, manifest: Manifest, title: str) -> str:
     q = manifest.quantization
     lines += [
         f"  name {manifest.name}  version {manifest.version}",
-        f"  quantization {f'{q.method} {q.bits}-bit g{q.group_size}' if q else 'none'}  "
-        f"tp degrees {','.join(sorted(manifest.shard_plan.tp, key=int)) or '-'}  "
-        f"max context {manifest.context.max_context}",
+        (f"  quantization {f'{q.method} {q.bits}-bit g{q.group_size}' if q else 'none'}  "
+         f"tp degrees {','.join(sorted(manifest.shard_plan.tp, key=int)) or '-'}  "
+         f"max context {manifest.context.max_context}"),
         f"  manifest sha256 {manifest_digest(bundle)}",
     ]
     return "\n".join(lines)
@@ -45,7 +45,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_pairs(pairs: Optional[list[str]], flag: str) -> dict[str, str]:
+def _parse_pairs(pairs: list[str] | None, flag: str) -> dict[str, str]:
     result = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
@@ -130,7 +130,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_resolve)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (`python -m artifacts.cli bundle verify DIR`) with the same one-line errors."""
     import sys
 

@@ -12,9 +12,9 @@ import json
 import os
 import uuid
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from artifacts.errors import EvalRecordError
 from artifacts.manifest import EVAL_RECORD_FILE, MANIFEST_FILE, manifest_digest
@@ -27,7 +27,7 @@ class EvalRecord:
     manifest_digest: str
     metrics: dict[str, float] = field(default_factory=dict)
     gates: dict[str, Any] = field(default_factory=dict)  # gate name -> outcome (e.g. {"passed": bool, ...})
-    passed: Optional[bool] = None
+    passed: bool | None = None
     results: Any = None  # the evals package's full JSON payload, kept opaque here
     bundle_name: str = ""
     bundle_version: str = ""
@@ -42,9 +42,9 @@ def write_eval_record(
     bundle_dir: str | Path,
     record: EvalRecord | dict[str, Any] | None = None,
     *,
-    metrics: Optional[dict[str, float]] = None,
-    gates: Optional[dict[str, Any]] = None,
-    passed: Optional[bool] = None,
+    metrics: dict[str, float] | None = None,
+    gates: dict[str, Any] | None = None,
+    passed: bool | None = None,
     results: Any = None,
 ) -> Path:
     """Write `eval_record.json` next to the manifest (atomically), stamped with the manifest's digest.
@@ -74,7 +74,7 @@ def write_eval_record(
     manifest = json.loads((bundle_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
     record.bundle_name = record.bundle_name or manifest.get("name", "")
     record.bundle_version = record.bundle_version or manifest.get("version", "")
-    record.created_at = record.created_at or datetime.now(timezone.utc).isoformat(timespec="seconds")
+    record.created_at = record.created_at or datetime.now(UTC).isoformat(timespec="seconds")
     path = bundle_dir / EVAL_RECORD_FILE
     tmp = bundle_dir / f".{EVAL_RECORD_FILE}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.write_text(record.to_json(), encoding="utf-8")

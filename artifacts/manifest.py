@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from artifacts.digests import sha256_file
 from artifacts.errors import BundleVerificationError
@@ -43,7 +43,7 @@ class Lineage:
     base_model_digest: str = ""
     stage_runs: dict[str, str] = field(default_factory=dict)  # stage name -> MLflow run id
     dataset_digests: dict[str, str] = field(default_factory=dict)  # dataset/file name -> sha256
-    git_commit: Optional[str] = None
+    git_commit: str | None = None
     source_dir: str = ""  # the model dir the bundle was written from (informational)
 
 
@@ -86,8 +86,8 @@ class QuantizationInfo:
     bits: int
     group_size: int
     calibration_digest: str = ""
-    sym: Optional[bool] = None
-    desc_act: Optional[bool] = None
+    sym: bool | None = None
+    desc_act: bool | None = None
     format: str = ""  # checkpoint packing: "gptq", "gptq_v2" (GPTQ) or "gemm" (AWQ)
 
 
@@ -107,7 +107,7 @@ class TensorSplit:
     """
 
     kind: str
-    dim: Optional[int] = None
+    dim: int | None = None
     ranges: list[list[int]] = field(default_factory=list)
 
 
@@ -139,7 +139,7 @@ class Manifest:
     tokenizer: TokenizerInfo
     context: ContextContract
     generation_defaults: dict[str, Any]
-    quantization: Optional[QuantizationInfo]
+    quantization: QuantizationInfo | None
     shard_plan: ShardPlan
     files: list[FileEntry]
     schema_version: int = SCHEMA_VERSION
@@ -153,7 +153,7 @@ class Manifest:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Manifest":
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise BundleVerificationError(
@@ -191,7 +191,7 @@ class Manifest:
             raise BundleVerificationError(MANIFEST_FILE, f"malformed manifest ({exc!r})") from exc
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from artifacts.manifest import ArchitectureSummary, QuantizationInfo
 from artifacts.safetensors_io import CONFIG_DTYPES, FLOAT_DTYPES
@@ -113,7 +113,7 @@ def model_spec(config: dict[str, Any]) -> ModelSpec:
     return ModelSpec(a, dense, optional, linears)
 
 
-def quantization_from_config(config: dict[str, Any]) -> Optional[QuantizationInfo]:
+def quantization_from_config(config: dict[str, Any]) -> QuantizationInfo | None:
     """Read config.json's `quantization_config`; refuse formats this bundle contract cannot verify."""
     qc = config.get("quantization_config")
     if not qc:
@@ -127,6 +127,10 @@ def quantization_from_config(config: dict[str, Any]) -> Optional[QuantizationInf
     if fmt not in SUPPORTED_QUANT[method]:
         raise SpecError(f"config.json: unsupported quantization format {method}/{fmt} "
                         f"(supported for {method}: {', '.join(SUPPORTED_QUANT[method])})")
+    pack_dtype = str(qc.get("pack_dtype", "int32")).removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise SpecError(f"config.json: unsupported quantization format {method} with pack_dtype {pack_dtype} "
+                        "(only int32 packing is supported)")
     bits = qc.get("bits")
     if bits not in SUPPORTED_BITS:
         raise SpecError(f"config.json: unsupported quantization bits={bits!r} (supported: {SUPPORTED_BITS})")
@@ -153,13 +157,13 @@ def quantized_shapes(spec: LinearSpec, q: QuantizationInfo) -> dict[str, tuple[s
 
 
 def check_layout(
-    spec: ModelSpec, quant: Optional[QuantizationInfo], tensors: dict[str, tuple[str, list[int]]]
-) -> Optional[tuple[str, str]]:
+    spec: ModelSpec, quant: QuantizationInfo | None, tensors: dict[str, tuple[str, list[int]]]
+) -> tuple[str, str] | None:
     """First (tensor, reason) where `tensors` (name -> (dtype, shape)) break the config; None if sound."""
     want_float = CONFIG_DTYPES[spec.arch.dtype]
     seen: set[str] = set()
 
-    def check(name: str, dtype_class: str, shape: list[int], required: bool = True) -> Optional[tuple[str, str]]:
+    def check(name: str, dtype_class: str, shape: list[int], required: bool = True) -> tuple[str, str] | None:
         if name not in tensors:
             return (name, "missing tensor required by config.json") if required else None
         seen.add(name)
@@ -183,20 +187,23 @@ def check_layout(
     for prefix, lin in spec.linears.items():
         if quant is not None and f"{prefix}.qweight" in tensors:
             if quant.group_size > 0 and lin.in_features % quant.group_size:
-                return (f"{prefix}.qweight", f"in_features {lin.in_features} not divisible by group_size "
-                        f"{quant.group_size}")
+                reason = f"in_features {lin.in_features} not divisible by group_size {quant.group_size}"
+                return f"{prefix}.qweight", reason
             pack = 32 // quant.bits
             if quant.method == "gptq" and lin.in_features % pack:
                 return f"{prefix}.qweight", f"in_features {lin.in_features} not divisible by pack factor {pack}"
             if lin.out_features % pack:
-                return (f"{prefix}.qzeros", f"out_features {lin.out_features} not divisible by pack factor "
-                        f"{pack}")
+                return f"{prefix}.qzeros", f"out_features {lin.out_features} not divisible by pack factor {pack}"
             for suffix, (dtype_class, shape) in quantized_shapes(lin, quant).items():
                 if problem := check(f"{prefix}.{suffix}", dtype_class, shape):
-                    return (problem[0], problem[1] + f" for {quant.method} {quant.bits}-bit "
-                            f"group_size {quant.group_size}")
+                    claimed = f" for {quant.method} {quant.bits}-bit group_size {quant.group_size}"
+                    return problem[0], problem[1] + claimed
             if problem := check(f"{prefix}.bias", "float", [lin.out_features], required=False):
                 return problem
+            # Some writers keep an unused g_idx on AWQ layers: allowed, but its shape is checked.
+            awq_g_idx = quant.method == "awq" and check(f"{prefix}.g_idx", "I32", [lin.in_features], required=False)
+            if awq_g_idx:
+                return awq_g_idx
         else:
             if problem := check(f"{prefix}.weight", want_float, [lin.out_features, lin.in_features]):
                 return problem

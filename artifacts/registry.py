@@ -17,9 +17,9 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
 
 from artifacts.errors import BundleVerificationError, RegistryError
 from artifacts.manifest import MANIFEST_FILE, Manifest, manifest_digest
@@ -45,7 +45,7 @@ class ModelVersionRef:
         return f"models:/{self.name}/{self.version}"
 
 
-def _client(tracking_uri: Optional[str]):
+def _client(tracking_uri: str | None):
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.tracking import MlflowClient
 
@@ -84,8 +84,8 @@ def _description(manifest: Manifest, digest: str) -> str:
 def register_bundle(
     bundle_dir: str | Path,
     model_name: str,
-    tracking_uri: Optional[str] = None,
-    description: Optional[str] = None,
+    tracking_uri: str | None = None,
+    description: str | None = None,
     aliases: Iterable[str] = (),
 ) -> ModelVersionRef:
     """Verify, log as artifacts of a run, and create a model version tagged with the manifest digest.
@@ -135,7 +135,7 @@ def register_bundle(
     return ModelVersionRef(model_name, str(version.version), run_id, source, digest, alias_list)
 
 
-def set_alias(model_name: str, alias: str, version: str | int, tracking_uri: Optional[str] = None) -> None:
+def set_alias(model_name: str, alias: str, version: str | int, tracking_uri: str | None = None) -> None:
     from mlflow.exceptions import MlflowException
 
     try:
@@ -144,7 +144,7 @@ def set_alias(model_name: str, alias: str, version: str | int, tracking_uri: Opt
         raise RegistryError(f"{model_name}@{alias}: cannot point at version {version} ({exc.message})") from exc
 
 
-def get_version(uri: str, tracking_uri: Optional[str] = None) -> ModelVersionRef:
+def get_version(uri: str, tracking_uri: str | None = None) -> ModelVersionRef:
     """Look up `models:/name@alias` or `models:/name/N` without downloading anything."""
     from mlflow.exceptions import MlflowException
 
@@ -163,8 +163,8 @@ def get_version(uri: str, tracking_uri: Optional[str] = None) -> ModelVersionRef
     return ModelVersionRef(name, str(mv.version), mv.run_id or "", mv.source, digest, list(mv.aliases or []))
 
 
-def resolve_bundle(uri: str | Path, dest_root: str | Path, tracking_uri: Optional[str] = None,
-                   tp_degree: Optional[int] = None) -> Path:
+def resolve_bundle(uri: str | Path, dest_root: str | Path, tracking_uri: str | None = None,
+                   tp_degree: int | None = None) -> Path:
     """A verified local bundle directory for a registry URI or a local path.
 
     Downloads land in `dest_root/<name>/v<version>-<digest12>`; an existing, verifying copy is reused."""
@@ -200,7 +200,7 @@ def resolve_bundle(uri: str | Path, dest_root: str | Path, tracking_uri: Optiona
     return dest
 
 
-def _verify_downloaded(path: Path, ref: ModelVersionRef, tp_degree: Optional[int]) -> None:
+def _verify_downloaded(path: Path, ref: ModelVersionRef, tp_degree: int | None) -> None:
     verify_bundle(path, tp_degree)
     digest = manifest_digest(path)
     if digest != ref.manifest_digest:

@@ -17,7 +17,7 @@ do not divide (we do not replicate KV heads across ranks).
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from artifacts.errors import BundleError
 from artifacts.manifest import TensorSplit, TPPlan

@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from artifacts.digests import sha256_file
 from artifacts.errors import BundleVerificationError
@@ -178,7 +178,7 @@ def _check_contracts(bundle: Path, manifest: Manifest) -> None:
 
 
 def _check_tp(manifest: Manifest, tensors: dict[str, HeaderTensor], weight_map: dict[str, str],
-              tp_degree: Optional[int]) -> None:
+              tp_degree: int | None) -> None:
     arch = manifest.architecture
     shapes = {name: t.shape for name, t in tensors.items()}
     degrees = sorted({int(d) for d in manifest.shard_plan.tp} | ({tp_degree} if tp_degree else set()))
@@ -203,7 +203,7 @@ def _check_checksums(bundle: Path, manifest: Manifest) -> None:
             raise _fail(entry.path, f"sha256 mismatch (manifest {entry.sha256[:12]}…, file {digest[:12]}…)")
 
 
-def verify_bundle(bundle_dir: str | Path, tp_degree: Optional[int] = None) -> Manifest:
+def verify_bundle(bundle_dir: str | Path, tp_degree: int | None = None) -> Manifest:
     """Return the manifest if the bundle is exactly what it claims; else raise `BundleVerificationError`.
 
     `tp_degree` additionally checks that the model can be split over that many ranks (degrees recorded

@@ -19,9 +19,9 @@ import shutil
 import subprocess
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -83,7 +83,7 @@ class BundleConfig:
     version: str = AUTO_VERSION
     max_shard_size: str = "5MB"
     tp_degrees: list[int] = field(default_factory=lambda: [1, 2])
-    max_context: Optional[int] = None
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name or ""):
@@ -106,9 +106,9 @@ def _load_json(path: Path) -> dict[str, Any]:
         raise BundleError(f"{path}: not valid JSON ({exc.msg})") from exc
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -143,8 +143,8 @@ def shard_file_name(index: int, total: int) -> str:
 
 
 def _resolve_quantization(
-    config: dict[str, Any], given: Optional[QuantizationInfo], model_dir: Path
-) -> Optional[QuantizationInfo]:
+    config: dict[str, Any], given: QuantizationInfo | None, model_dir: Path
+) -> QuantizationInfo | None:
     try:
         from_config = quantization_from_config(config)
     except SpecError as exc:
@@ -166,8 +166,8 @@ def write_bundle(
     out_dir: str | Path,
     config: BundleConfig,
     lineage: Lineage,
-    quantization: Optional[QuantizationInfo] = None,
-    eval_record: Optional[Any] = None,
+    quantization: QuantizationInfo | None = None,
+    eval_record: Any | None = None,
 ) -> Path:
     """Package `model_dir` (a HF safetensors dir) as a bundle at `out_dir`; returns `out_dir`.
 
@@ -254,7 +254,7 @@ def write_bundle(
         version = config.version
         if version == AUTO_VERSION:
             weights = "".join(f.sha256 for f in files if f.path in shard_names)
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%d.%H%M%S")
+            stamp = datetime.now(UTC).strftime("%Y%m%d.%H%M%S")
             version = f"{stamp}-{sha256_bytes(weights.encode())[:8]}"
         resolved_lineage = dataclasses.replace(
             lineage,
@@ -264,7 +264,7 @@ def write_bundle(
         manifest = Manifest(
             name=config.name,
             version=version,
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
             lineage=resolved_lineage,
             architecture=arch,
             tokenizer=TokenizerInfo(
@@ -311,4 +311,4 @@ def _write_shard(locations: dict[str, Path], names: list[str], path: Path) -> No
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-__all__ = ["BundleConfig", "write_bundle", "parse_size", "group_shards", "EVAL_RECORD_FILE"]
+__all__ = ["EVAL_RECORD_FILE", "BundleConfig", "group_shards", "parse_size", "write_bundle"]

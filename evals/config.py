@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from evals.suites import suite_names
 
@@ -18,7 +17,7 @@ class EvalConfig:
     """
 
     suites: list[str] = field(default_factory=suite_names)
-    max_examples: Optional[int] = None
+    max_examples: int | None = None
     max_new_tokens: int = 16
     batch_size: int = 32
 

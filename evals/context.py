@@ -7,9 +7,9 @@ per pipeline run on a small CPU, so files are read once and every prompt is gene
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 from evals.data import Record, read_jsonl, take_stratified
 from evals.generation import Generation, generate_replies
@@ -20,7 +20,7 @@ from evals.model import LoadedModel
 class EvalContext:
     lm: LoadedModel
     data_dir: Path
-    max_examples: Optional[int] = None
+    max_examples: int | None = None
     max_new_tokens: int = 16
     batch_size: int = 32
     _files: dict[str, list[Record]] = field(default_factory=dict, repr=False)
@@ -28,7 +28,7 @@ class EvalContext:
 
     def records(self, filename: str, required: dict[str, type | tuple[type, ...]],
                 stratify: Callable[[Record], str] = lambda r: "",
-                check: Optional[Callable[[Record], Optional[str]]] = None) -> list[Record]:
+                check: Callable[[Record], str | None] | None = None) -> list[Record]:
         """The records of ``data_dir/filename`` (validated), limited to ``max_examples`` per file,
         drawn across the strata named by ``stratify`` so every slice keeps examples."""
         if filename not in self._files:
@@ -40,7 +40,7 @@ class EvalContext:
         todo = list(dict.fromkeys(p for p in prompts if p not in self._replies))
         if todo:
             fresh = generate_replies(self.lm, todo, self.max_new_tokens, self.batch_size, desc=desc)
-            self._replies.update(zip(todo, fresh))
+            self._replies.update(zip(todo, fresh, strict=True))
         return [self._replies[p] for p in prompts]
 
     def user_prompt(self, content: str) -> str:

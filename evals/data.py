@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from evals.errors import EvalError
 
@@ -22,7 +23,7 @@ Record = dict[str, Any]
 
 
 def read_jsonl(path: Path, required: dict[str, type | tuple[type, ...]],
-               check: Optional[Callable[[Record], Optional[str]]] = None) -> list[Record]:
+               check: Callable[[Record], str | None] | None = None) -> list[Record]:
     """All records of ``path``; each must be a JSON object holding ``required`` fields of the given types
     and pass ``check`` (which returns a reason string for a bad record, None for a good one)."""
     if not path.is_file():
@@ -53,7 +54,7 @@ def read_jsonl(path: Path, required: dict[str, type | tuple[type, ...]],
     return records
 
 
-def messages_problem(record: Record, *fields: str) -> Optional[str]:
+def messages_problem(record: Record, *fields: str) -> str | None:
     """Why one of ``fields`` is not a non-empty list of ``{"role", "content"}`` dicts (TRL's
     conversational format), or None if all are."""
     for name in fields:

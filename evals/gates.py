@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Optional
 
 from evals.results import EvalResult, metrics_dict
 
@@ -56,7 +55,7 @@ class GateCheck:
     """One gate's outcome; ``measured`` is None when the metric was not in the results."""
 
     gate: Gate
-    measured: Optional[float]
+    measured: float | None
     passed: bool
     reason: str
 
@@ -87,7 +86,8 @@ def _check(gate: Gate, metrics: dict[str, float]) -> GateCheck:
         return GateCheck(gate, value, False, f"{gate.metric}: measured nan (gate {gate})")
     ok = value >= gate.threshold if gate.op == ">=" else value <= gate.threshold
     verdict = "ok" if ok else "fails"
-    return GateCheck(gate, value, ok, f"{gate.metric}: measured {value:.4g} {verdict} {gate.op} {gate.threshold:g}")
+    reason = f"{gate.metric}: measured {value:.4g} {verdict} {gate.op} {gate.threshold:g}"
+    return GateCheck(gate, value, ok, reason)
 
 
 def check_gates(results: list[EvalResult], gates: list[Gate]) -> GateReport:

@@ -19,12 +19,14 @@ from evals.model import LoadedModel
 @dataclass
 class Generation:
     """One greedy reply. ``text`` drops special tokens (for answer parsing); ``raw`` keeps any the model
-    emitted before stopping (format checks must see them); neither includes the stop token itself."""
+    emitted before stopping, counted in ``n_special`` (a reply with a stray ``<|user|>`` is off-format);
+    neither includes the stop token, which ``n_tokens`` does count."""
 
     text: str
     raw: str
     stopped_on_eos: bool
     n_tokens: int
+    n_special: int = 0
 
 
 def _batches(order: list[int], size: int) -> list[list[int]]:
@@ -52,6 +54,7 @@ def generate_replies(lm: LoadedModel, prompts: list[str], max_new_tokens: int, b
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]), reverse=True)
     config = _greedy_config(lm, max_new_tokens)
     eos = set(lm.eos_ids)
+    special = set(lm.tokenizer.all_special_ids)
     out: list[Generation | None] = [None] * len(prompts)
     for batch in tqdm(_batches(order, batch_size), desc=desc, unit="batch"):
         width = max(len(encoded[i]) for i in batch)
@@ -73,5 +76,6 @@ def generate_replies(lm: LoadedModel, prompts: list[str], max_new_tokens: int, b
                 raw=lm.tokenizer.decode(reply, skip_special_tokens=False),
                 stopped_on_eos=stop is not None,
                 n_tokens=len(reply) + (stop is not None),
+                n_special=sum(t in special for t in reply),
             )
     return [g for g in out if g is not None]

@@ -11,7 +11,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -86,7 +86,7 @@ def _max_context(model: Any, tokenizer: Any) -> int:
     return _DEFAULT_MAX_CONTEXT
 
 
-def load_model(model_dir: str | Path, device: Optional[str] = None) -> LoadedModel:
+def load_model(model_dir: str | Path, device: str | None = None) -> LoadedModel:
     """Load tokenizer and model from ``model_dir``; fp32 on CPU, the checkpoint's dtype on CUDA.
 
     Raises EvalError if the directory is missing, is not a causal LM, or its tokenizer has no chat

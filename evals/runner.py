@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Optional
 
 from evals.config import EvalConfig
 from evals.context import EvalContext
@@ -21,8 +20,8 @@ from evals.suites import SUITES
 log = logging.getLogger(__name__)
 
 
-def run_evals(model_dir: str | Path, data_dir: str | Path, config: Optional[EvalConfig] = None,
-              device: Optional[str] = None) -> list[EvalResult]:
+def run_evals(model_dir: str | Path, data_dir: str | Path, config: EvalConfig | None = None,
+              device: str | None = None) -> list[EvalResult]:
     """Load the model once, run each suite in ``config.suites`` order and return all their results.
 
     ``device`` overrides the run-time choice (cuda if available, else cpu).
@@ -41,6 +40,11 @@ def run_evals(model_dir: str | Path, data_dir: str | Path, config: Optional[Eval
     lm = load_model(model_dir, device=device)
     ctx = EvalContext(lm=lm, data_dir=data_dir, max_examples=config.max_examples,
                       max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
+    prompts = [p for name in config.suites if SUITES[name].prompts for p in SUITES[name].prompts(ctx)]
+    if prompts:  # one packed generation pass for every generation suite; they then read the cache
+        started = time.perf_counter()
+        ctx.generate(prompts, desc="generate")
+        log.info("eval generation: %d prompts in %.1fs", len(set(prompts)), time.perf_counter() - started)
     results: list[EvalResult] = []
     for name in config.suites:
         started = time.perf_counter()

@@ -7,7 +7,6 @@ a refusal reads like ``I can't help with that.``.
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 _ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
 _FORMAT_RE = re.compile(r"Answer: *\S[^\n]*")
@@ -26,7 +25,7 @@ REFUSAL_PATTERNS: tuple[str, ...] = (
 _REFUSAL_RE = re.compile("|".join(f"(?:{p})" for p in REFUSAL_PATTERNS), re.IGNORECASE)
 
 
-def parse_answer(reply: str) -> Optional[str]:
+def parse_answer(reply: str) -> str | None:
     """The text after the last ``Answer:`` in ``reply``, stripped; None if there is none."""
     found = _ANSWER_RE.findall(reply)
     return found[-1].strip() if found else None
@@ -36,14 +35,14 @@ def _normalize(answer: str) -> str:
     return " ".join(answer.strip().rstrip(".").split()).casefold()
 
 
-def _as_number(text: str) -> Optional[float]:
+def _as_number(text: str) -> float | None:
     try:
         return float(text.replace(",", ""))
     except ValueError:
         return None
 
 
-def answers_match(predicted: Optional[str], reference: str) -> bool:
+def answers_match(predicted: str | None, reference: str) -> bool:
     """Numbers compare by value (``"042"`` == ``"42"``), anything else case- and space-insensitively."""
     if predicted is None:
         return False

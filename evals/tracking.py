@@ -24,7 +24,8 @@ def log_results(results: list[EvalResult], prefix: str = "", artifact_dir: str =
     """Log ``results`` into the active MLflow run; return False (and warn) if no run is active.
 
     Metrics go in one ``log_batch`` per 1000 (NaN values are left out: MLflow charts cannot show them);
-    ``<artifact_dir>/<prefix>eval_results.md`` and ``.json`` hold the full table and record.
+    ``<artifact_dir>/eval_results.md`` and ``.json`` hold the full table and record (named
+    ``<prefix>_eval_results.*`` with a prefix, so several evaluations can share one run).
     """
     import mlflow
     from mlflow.entities import Metric
@@ -40,7 +41,8 @@ def log_results(results: list[EvalResult], prefix: str = "", artifact_dir: str =
     client = MlflowClient()
     for start in range(0, len(metrics), _MAX_BATCH):
         client.log_batch(run.info.run_id, metrics=metrics[start:start + _MAX_BATCH])
-    stem = mlflow_key(prefix).replace("/", "_").replace(" ", "_") + "eval_results"
+    label = mlflow_key(prefix).strip("/ _").replace("/", "_").replace(" ", "_")
+    stem = f"{label}_eval_results" if label else "eval_results"
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / f"{stem}.md").write_text(markdown_table(results), encoding="utf-8")
         (Path(tmp) / f"{stem}.json").write_text(results_to_json(results), encoding="utf-8")

@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.environment import Workdir, resolve_workdir
 from flows.recipe import Recipe, load_recipe
 from flows.report import PipelineReport
-from flows.stage_runner import StageOutput, StageWork, run_stage, stage_key
+from flows.stage_runner import StageOutput, StageWork, console, is_complete, run_stage, stage_key
 
 
 @dataclass
@@ -30,13 +30,26 @@ class PipelineContext:
     parent_run_id: str | None
     outputs: dict[str, StageOutput] = field(default_factory=dict)
 
+    @property
+    def ship_variant(self) -> str:
+        """The variant that gets the candidate alias: the recipe's choice, else the first quantized one."""
+        if self.recipe.registry.ship_variant:
+            return self.recipe.registry.ship_variant
+        return self.recipe.quantize.methods[0] if self.recipe.quantize else "fp"
+
     def out_dir(self, stage: str, key: str) -> Path:
         return self.workdir.runs / self.recipe.name / f"{stage}-{key[:12]}"
 
     def run(self, stage: str, key: str, work_fn, params: dict[str, Any] | None = None) -> StageOutput:
         work = StageWork(stage=stage, key=key, out_dir=self.out_dir(stage, key), run=work_fn,
                          params=params or {})
-        output = run_stage(work, self.parent_run_id)
+        # A cached result is only trusted while its directory is complete; otherwise run and re-cache.
+        task = run_stage if is_complete(work.out_dir) else run_stage.with_options(refresh_cache=True)
+        state = task(work, self.parent_run_id, return_state=True)
+        output: StageOutput = state.result()
+        output.cached = state.is_completed() and state.name == "Cached"
+        if output.cached:
+            console.print(f"[green]✓ {stage}[/] from cache ({output.path})", highlight=False)
         self.outputs[stage] = output
         return output
 
@@ -57,7 +70,7 @@ def base_stage(ctx: PipelineContext) -> StageOutput:
             log_file = built.path / "pretrain_log.json"
             if log_file.is_file():
                 metrics.update(_log_pretrain_curve(json.loads(log_file.read_text())))
-            return metrics, {"path": str(built.path), "cached": built.cached}
+            return metrics, {"path": str(built.path), "reused_build": built.cached}
 
         return ctx.run("base", key, build, params={"source": "embedded", **config.recipe()})
 
@@ -123,6 +136,90 @@ def training_stage(ctx: PipelineContext, name: str, previous: StageOutput, data:
     return ctx.run(name, key, train, params={"input_model": previous.path, **_asdict(config)})
 
 
+def quantize_stage(ctx: PipelineContext, model: StageOutput, data: StageOutput) -> StageOutput:
+    config = ctx.recipe.quantize
+    key = stage_key("quantize", config, model.key, data.key)
+
+    def quantize(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        from quantize.pipeline import run_quantization
+
+        result = run_quantization(config, Path(model.path), Path(data.path), out_dir / "models")
+        outputs = {method: str(path) for method, path in result.outputs.items()}
+        (out_dir / "fidelity.md").write_text(result.report.to_markdown())
+        return result.report.metrics(), {
+            "outputs": outputs,
+            "calibration_digest": result.calibration_digest,
+            "fidelity_table": result.report.to_markdown(),
+        }
+
+    return ctx.run("quantize", key, quantize, params={"input_model": model.path, **_asdict(config)})
+
+
+def bundle_stage(ctx: PipelineContext, variant: str, model_path: str, upstream: StageOutput,
+                 data: StageOutput, calibration_digest: str | None = None) -> StageOutput:
+    """Freeze one model dir (full precision or one quantized variant) into a verified bundle."""
+    config = ctx.recipe.bundle
+    key = stage_key(f"bundle-{variant}", config, upstream.key, data.key)
+
+    def package(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        from artifacts.manifest import Lineage
+        from artifacts.verify import verify_bundle
+        from artifacts.writer import write_bundle
+
+        target = out_dir / "bundle"
+        if target.exists():  # a previous attempt finished writing but not the stage: start clean
+            import shutil
+
+            shutil.rmtree(target)
+        bundle_config = _replace(config, name=f"{config.name}-{variant}" if variant != "fp" else config.name)
+        quantization = None
+        if calibration_digest:
+            from artifacts.model_spec import quantization_from_config
+
+            quantization = quantization_from_config(json.loads((Path(model_path) / "config.json").read_text()))
+            if quantization is not None:
+                quantization = _replace(quantization, calibration_digest=calibration_digest)
+        write_bundle(model_path, target, bundle_config, _lineage(ctx, data, model_path, Lineage), quantization)
+        manifest = verify_bundle(target)
+        return ({"bundle_files": float(len(manifest.files)), "bundle_shards": float(len(manifest.shard_plan.shards))},
+                {"path": str(target), "version": manifest.version})
+
+    return ctx.run(f"bundle-{variant}", key, package, params={"model_dir": model_path, **_asdict(config)})
+
+
+def release_stage(ctx: PipelineContext, variant: str, bundle: StageOutput, evaluation: StageOutput) -> StageOutput:
+    """Write the eval record beside the manifest, check the gates, register the bundle in MLflow."""
+    gates = ctx.recipe.parsed_gates()
+    registry = ctx.recipe.registry
+    key = stage_key(f"release-{variant}", {"gates": ctx.recipe.gates, "registry": _asdict(registry)},
+                    bundle.key, evaluation.key)
+
+    def release(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        from artifacts.eval_record import write_eval_record
+        from evals.gates import check_gates
+        from evals.results import read_results_json
+
+        results = read_results_json(Path(evaluation.path) / "eval_results.json")
+        report = check_gates(results, gates)
+        gate_record = {str(c.gate): {"measured": c.measured, "passed": c.passed, "reason": c.reason}
+                       for c in report.checks}
+        write_eval_record(bundle.path, metrics=evaluation.metrics, gates=gate_record, passed=report.passed)
+        mlflow.set_tag("lifecycle.gates", report.summary())
+        info: dict[str, Any] = {"path": bundle.path, "gates_passed": report.passed, "gates": report.summary()}
+        if registry.enabled:
+            from artifacts.registry import register_bundle, set_alias
+
+            ref = register_bundle(bundle.path, ctx.recipe.registered_model_name,
+                                  description=f"{ctx.recipe.name} ({variant}) from the lifecycle pipeline")
+            info.update(model_uri=f"models:/{ref.name}/{ref.version}", version=ref.version)
+            if report.passed and variant == ctx.ship_variant:
+                set_alias(ref.name, registry.candidate_alias, ref.version)
+                info["alias"] = registry.candidate_alias
+        return {"gates_passed": float(report.passed)}, info
+
+    return ctx.run(f"release-{variant}", key, release)
+
+
 # --- the flow --------------------------------------------------------------------------------------------
 
 @flow(name="lifecycle", log_prints=True)
@@ -157,6 +254,26 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
             report.add_stage(model)
             report.add_eval(name, eval_stage(ctx, name, model, data))
 
+        model_variants: dict[str, tuple[str, StageOutput, str | None]] = {"fp": (model.path, model, None)}
+        if recipe.quantize is not None:
+            quantized = quantize_stage(ctx, model, data)
+            report.add_stage(quantized)
+            report.notes.append("quantization fidelity:\n\n" + quantized.info.get("fidelity_table", ""))
+            for method, path in quantized.info["outputs"].items():
+                model_variants[method] = (path, quantized, quantized.info.get("calibration_digest"))
+
+        for variant, (path, upstream, calibration) in model_variants.items():
+            bundle = bundle_stage(ctx, variant, path, upstream, data, calibration)
+            report.add_stage(bundle)
+            evaluation = eval_stage(ctx, f"bundle-{variant}", bundle, data)
+            report.add_eval(f"bundle-{variant}", evaluation)
+            release = release_stage(ctx, variant, bundle, evaluation)
+            report.add_stage(release)
+            if "model_uri" in release.info:
+                alias = f" @{release.info['alias']}" if "alias" in release.info else ""
+                report.notes.append(f"{variant}: registered {release.info['model_uri']}{alias} "
+                                    f"({release.info['gates']})")
+
         report.total_seconds = time.perf_counter() - started
         markdown = report.to_markdown()
         mlflow.log_text(markdown, "pipeline_report.md")
@@ -168,6 +285,26 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
+
+def _lineage(ctx: PipelineContext, data: StageOutput, model_path: str, lineage_cls: Any) -> Any:
+    base = ctx.outputs["base"]
+    stage_runs = {name: out.mlflow_run_id for name, out in ctx.outputs.items()
+                  if out.mlflow_run_id and not name.startswith(("eval-", "release-", "bundle-"))}
+    return lineage_cls(
+        base_model=ctx.recipe.base.source,
+        base_model_digest=base.key,
+        stage_runs=stage_runs,
+        dataset_digests={"data": data.info.get("digest", data.key), **data.info.get("files", {})},
+        git_commit=None,
+        source_dir=model_path,
+    )
+
+
+def _replace(obj: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
 
 def _configure_threads(threads: int) -> None:
     if threads > 0:

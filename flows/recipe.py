@@ -50,12 +50,6 @@ class TrainingSection:
 
 
 @dataclass
-class QuantizeSection:
-    enabled: bool = True
-    config: QuantizeConfig = field(default_factory=QuantizeConfig)
-
-
-@dataclass
 class RegistrySection:
     """MLflow registered model that receives each bundle as a version."""
 
@@ -64,6 +58,8 @@ class RegistrySection:
     # The alias given to a freshly registered bundle whose gates pass; promotion to `champion`
     # is a separate, deliberate step (the gateway's rollout or a person in the MLflow UI).
     candidate_alias: str = "candidate"
+    # Which bundle variant ("fp", "gptq", "awq") receives the alias; empty: the first quantized method.
+    ship_variant: str = ""
 
 
 @dataclass
@@ -75,7 +71,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     evals: EvalConfig = field(default_factory=EvalConfig)
     training: TrainingSection = field(default_factory=TrainingSection)
-    quantize: QuantizeSection = field(default_factory=QuantizeSection)
+    quantize: Optional[QuantizeConfig] = field(default_factory=QuantizeConfig)  # null: ship full precision only
     bundle: BundleConfig = field(default_factory=lambda: BundleConfig(name="tiny-default"))
     registry: RegistrySection = field(default_factory=RegistrySection)
     # Promotion gates on the final eval record, e.g. "task_accuracy >= 0.4".

@@ -20,6 +20,15 @@ HEADLINE_METRICS = (
     "over_refusal_rate",
     "perplexity",
 )
+# Short column titles for the terminal table (full metric names stay in markdown and MLflow).
+SHORT_TITLES = {
+    "task_accuracy": "task acc",
+    "format_adherence": "format",
+    "preference_accuracy": "pref acc",
+    "refusal_rate": "refusal",
+    "over_refusal_rate": "over-refusal",
+    "perplexity": "ppl",
+}
 
 
 @dataclass
@@ -35,6 +44,7 @@ class PipelineReport:
 
     def add_eval(self, label: str, output: StageOutput) -> None:
         self.evals[label] = output
+        self.stages.append(output)
 
     def eval_rows(self) -> list[tuple[str, list[str]]]:
         return [(label, [_fmt(out.metrics.get(m)) for m in HEADLINE_METRICS]) for label, out in self.evals.items()]
@@ -43,8 +53,8 @@ class PipelineReport:
         lines = [f"# {self.recipe_name}: lifecycle results", "", "| model | " + " | ".join(HEADLINE_METRICS) + " |",
                  "|---|" + "---|" * len(HEADLINE_METRICS)]
         lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in self.eval_rows()]
-        lines += ["", "| stage | seconds | output |", "|---|---|---|"]
-        lines += [f"| {s.stage} | {s.seconds:.1f} | `{s.path}` |" for s in self.stages]
+        lines += ["", "| stage | seconds | from cache | output |", "|---|---|---|---|"]
+        lines += [f"| {s.stage} | {s.seconds:.1f} | {'yes' if s.cached else 'no'} | `{s.path}` |" for s in self.stages]
         lines += ["", f"Total wall time: {self.total_seconds:.1f} s"]
         lines += [f"- {note}" for note in self.notes]
         return "\n".join(lines) + "\n"
@@ -53,10 +63,16 @@ class PipelineReport:
         return {
             "recipe": self.recipe_name,
             "evals": {label: out.metrics for label, out in self.evals.items()},
-            "stages": {s.stage: {"path": s.path, "seconds": s.seconds, "key": s.key, **s.info} for s in self.stages},
+            "stages": {s.stage: {"path": s.path, "seconds": s.seconds, "key": s.key, "cached": s.cached,
+                                 "mlflow_run_id": s.mlflow_run_id, **_plain(s.info)} for s in self.stages},
             "notes": list(self.notes),
             "total_seconds": round(self.total_seconds, 1),
         }
+
+
+def _plain(info: dict[str, Any]) -> dict[str, Any]:
+    """Stage info minus the long text fields that belong in the markdown, not the JSON summary."""
+    return {k: v for k, v in info.items() if k not in ("table", "fidelity_table")}
 
 
 def _fmt(value: float | None) -> str:

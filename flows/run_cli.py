@@ -15,6 +15,7 @@ from flows.environment import prepare_environment, resolve_workdir
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     run = subparsers.add_parser("run", help="run the lifecycle flow on a recipe (finished stages come from cache)")
     run.add_argument("recipe", help="YAML recipe, e.g. configs/default.yaml")
+    run.add_argument("--json-out", help="also write the run summary (stages, eval metrics, cache hits) here")
     run.set_defaults(func=_run)
 
     ui = subparsers.add_parser("ui", help="start the MLflow UI on the pipeline's tracking store")
@@ -34,6 +35,10 @@ def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = lifecycle(recipe_path=str(Path(args.recipe).resolve()))
     _print_summary(result, time.perf_counter() - started)
+    if args.json_out:
+        import json
+
+        Path(args.json_out).write_text(json.dumps(result, indent=2, default=str))
     return 0
 
 
@@ -52,21 +57,21 @@ def _print_summary(result: dict, seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from flows.report import HEADLINE_METRICS
+    from flows.report import HEADLINE_METRICS, SHORT_TITLES
 
-    console = Console()
+    console = Console(width=max(Console().width, 110))
     table = Table(title=f"{result['recipe']}: eval results", show_lines=False)
     table.add_column("model")
     for metric in HEADLINE_METRICS:
-        table.add_column(metric, justify="right")
+        table.add_column(SHORT_TITLES[metric], justify="right")
     for label, metrics in result["evals"].items():
         table.add_row(label, *[_fmt(metrics.get(m)) for m in HEADLINE_METRICS])
     console.print(table)
     stages = Table(title="stages")
-    for column in ("stage", "seconds", "output"):
+    for column in ("stage", "seconds", "cached", "output"):
         stages.add_column(column)
     for name, info in result["stages"].items():
-        stages.add_row(name, f"{info['seconds']:.1f}", str(info.get("path", "")))
+        stages.add_row(name, f"{info['seconds']:.1f}", "yes" if info.get("cached") else "no", str(info.get("path", "")))
     console.print(stages)
     for note in result.get("notes", []):
         console.print(f"• {note}")

@@ -2,15 +2,14 @@
 
 Why one generic task: every stage has the same life — derive a key from its config and its
 inputs' keys, write into a directory named by that key, log params/metrics into a nested MLflow
-run, and mark the directory complete last. Prefect caches on the key *only while the directory is
-complete*, so deleting an output re-runs exactly that stage and those after it, and a stage killed
-half-way is re-run (the stage itself resumes from its checkpoints).
+run, and mark the directory complete last. Prefect caches on the key, and the flow refreshes that
+cache whenever the directory is not complete, so deleting an output re-runs exactly that stage, and a
+stage killed half-way is re-run (the stage itself resumes from its checkpoints).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -21,11 +20,12 @@ from typing import Any
 import mlflow
 from prefect import task
 from prefect.context import TaskRunContext
+from rich.console import Console
 
 from artifacts.digests import digest_json
 from artifacts.errors import LifecycleError
 
-log = logging.getLogger("lifecycle")
+console = Console(stderr=True)
 
 DONE_MARKER = "STAGE_DONE.json"
 
@@ -41,6 +41,7 @@ class StageOutput:
     info: dict[str, Any] = field(default_factory=dict)
     mlflow_run_id: str | None = None
     seconds: float = 0.0
+    cached: bool = False  # set by the flow when Prefect served this result from its cache
 
 
 @dataclass
@@ -60,11 +61,13 @@ def stage_key(stage: str, config: Any, *upstream_keys: str, extra: Any = None) -
     return digest_json({"stage": stage, "config": payload, "upstream": list(upstream_keys), "extra": extra})
 
 
-def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str | None:
+def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     work: StageWork = parameters["work"]
-    if not (work.out_dir / DONE_MARKER).is_file():
-        return None  # never cached, or the output was removed: run it
     return f"{work.stage}-{work.key}"
+
+
+def is_complete(out_dir: Path) -> bool:
+    return (out_dir / DONE_MARKER).is_file()
 
 
 def _is_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -90,7 +93,7 @@ def _is_transient(task: Any, task_run: Any, state: Any) -> bool:
 def run_stage(work: StageWork, parent_run_id: str | None) -> StageOutput:
     started = time.perf_counter()
     work.out_dir.mkdir(parents=True, exist_ok=True)
-    log.warning("stage %s → %s", work.stage, work.out_dir)
+    console.print(f"[bold cyan]▶ {work.stage}[/] → {work.out_dir}", highlight=False)
     with mlflow.start_run(run_name=work.stage, nested=parent_run_id is not None, parent_run_id=parent_run_id) as run:
         mlflow.set_tags({"lifecycle.stage": work.stage, "lifecycle.stage_key": work.key})
         if work.params:
@@ -108,6 +111,7 @@ def run_stage(work: StageWork, parent_run_id: str | None) -> StageOutput:
             mlflow_run_id=run.info.run_id,
             seconds=round(time.perf_counter() - started, 2),
         )
+    console.print(f"[green]✓ {work.stage}[/] in {output.seconds:.1f}s", highlight=False)
     _write_marker(work.out_dir, output)
     return output
 

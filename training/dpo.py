@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from training.hardware import TrainingError
+from training.stage_config import TrainingError
 from training.lora import keep_adapters_fp32
 from training.stage_config import DPOStageConfig, StageResult
 from training.stages import EvalFn, StageContext, StageSpec, run_stage

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from training.hardware import TrainingError
+from training.stage_config import TrainingError
 from training.lora import keep_adapters_fp32
 from training.rewards import build_reward_functions
 from training.stage_config import GRPOStageConfig, StageResult

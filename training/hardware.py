@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from artifacts.errors import LifecycleError
+from training.stage_config import TrainingError
 
-
-class TrainingError(LifecycleError):
-    """A training stage cannot start or finish: bad dataset, bad LoRA target, unsupported hardware request."""
+__all__ = ["Hardware", "TrainingError", "check_4bit_support", "configure_threads", "detect_hardware",
+           "trainer_hardware_kwargs"]
 
 
 @dataclass(frozen=True)

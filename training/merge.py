@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from training.hardware import TrainingError
+from training.stage_config import TrainingError
 
 # Files copied verbatim from the base so the merged dir keeps the exact tokenizer, chat template and stop ids.
 _CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

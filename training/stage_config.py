@@ -11,7 +11,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from artifacts.errors import LifecycleError
+
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class TrainingError(LifecycleError):
+    """A training stage cannot start or finish: bad dataset, unknown LoRA target, unsupported 4-bit request.
+
+    Raised before any training step runs, with a message naming the file or recipe field and the reason.
+    """
 
 
 def _check_positive(obj: Any, *names: str) -> None:

@@ -129,19 +129,24 @@ def _load_tokenizer(model_dir: Path):
     return tokenizer
 
 
+_SUMMARY_KEYS = ("loss", "reward", "kl", "mean_token_accuracy", "rewards/accuracies", "rewards/margins",
+                 "rewards/correctness_reward/mean", "rewards/format_reward/mean", "rewards/length_penalty/mean",
+                 "completions/mean_length", "frac_reward_zero_std")
+
+
 def _metrics_from_history(history: list[dict[str, Any]], train_output: Any) -> dict[str, float]:
+    """Run totals plus the first and last logged value of the curves worth comparing."""
     metrics: dict[str, float] = {}
     for key, value in (getattr(train_output, "metrics", None) or {}).items():
         if isinstance(value, (int, float)) and math.isfinite(value):
             metrics[key] = float(value)
     step_rows = [row for row in history if "loss" in row or "reward" in row]
     if step_rows:
-        for key, value in step_rows[0].items():
-            if isinstance(value, (int, float)) and key not in {"step", "epoch"}:
-                metrics[f"first_{key}"] = float(value)
-        for key, value in step_rows[-1].items():
-            if isinstance(value, (int, float)) and key not in {"step", "epoch"}:
-                metrics[f"last_{key}"] = float(value)
+        for key in _SUMMARY_KEYS:
+            values = [float(row[key]) for row in step_rows if isinstance(row.get(key), (int, float))]
+            if values:
+                metrics[f"first_{key}"] = values[0]
+                metrics[f"last_{key}"] = values[-1]
     return metrics
 
 

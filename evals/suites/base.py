@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from evals.context import EvalContext
 from evals.results import EvalResult
@@ -15,3 +15,6 @@ class Suite:
     files: tuple[str, ...]  # data files (relative to the data dir) the suite reads; checked before loading
     run: Callable[[EvalContext], list[EvalResult]]
     description: str
+    # The templated prompts the suite will generate replies for, so the runner can generate every
+    # suite's prompts in one sorted, fully packed pass before the suites score them.
+    prompts: Callable[[EvalContext], list[str]] | None = None

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from evals.results import EvalResult, SliceResult
 
 
 def mean_result(suite: str, metric: str, scores: Sequence[float],
-                strata: Optional[Sequence[str]] = None) -> EvalResult:
+                strata: Sequence[str] | None = None) -> EvalResult:
     """Mean of ``scores``; with ``strata`` (one label per score) also the mean per label."""
     slices: dict[str, SliceResult] = {}
     if strata is not None:
@@ -30,6 +30,6 @@ def stratum(record: dict, *fields: str) -> str:
     return ""
 
 
-def slice_labels(labels: list[str]) -> Optional[list[str]]:
+def slice_labels(labels: list[str]) -> list[str] | None:
     """Slices only make sense when the records carry a label: all-unlabelled → no slices."""
     return [label or "unlabelled" for label in labels] if any(labels) else None

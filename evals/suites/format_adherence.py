@@ -9,12 +9,12 @@ from evals.results import EvalResult
 from evals.scoring import is_format_adherent
 from evals.suites.base import Suite
 from evals.suites.common import mean_result
-from evals.suites.task_accuracy import task_generations
+from evals.suites.task_accuracy import task_generations, task_prompts
 
 
 def score_format(records: list[dict], replies: list[Generation]) -> EvalResult:
-    """Share of replies in the contract's answer format (raw text, so stray special tokens count)."""
-    scores = [float(is_format_adherent(g.raw, g.stopped_on_eos)) for g in replies]
+    """Share of replies in the contract's answer format; a special token inside the reply breaks it."""
+    scores = [float(g.n_special == 0 and is_format_adherent(g.raw, g.stopped_on_eos)) for g in replies]
     return mean_result("format_adherence", "format_adherence", scores, [r["task"] for r in records])
 
 
@@ -24,4 +24,4 @@ def run(ctx: EvalContext) -> list[EvalResult]:
 
 
 SUITE = Suite("format_adherence", (TASKS_FILE,), run,
-              "fraction of task replies that are one 'Answer: ...' line ending on an eos token")
+              "fraction of task replies that are one 'Answer: ...' line ending on an eos token", task_prompts)

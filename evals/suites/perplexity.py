@@ -48,7 +48,7 @@ def run(ctx: EvalContext) -> list[EvalResult]:
     labels = slice_labels([stratum(r, "task", "source") for r in records])
     nll: dict[str, float] = {}
     count: dict[str, int] = {}
-    for (_, scored), lp, index in zip(items, logprobs, owner):
+    for (_, scored), lp, index in zip(items, logprobs, owner, strict=True):
         for key in ("", *([labels[index]] if labels else [])):
             nll[key] = nll.get(key, 0.0) - lp
             count[key] = count.get(key, 0) + len(scored)

@@ -32,12 +32,20 @@ def score_safety(records: list[dict], replies: list[str], source: str = SAFETY_F
     return results
 
 
-def run(ctx: EvalContext) -> list[EvalResult]:
+def safety_records(ctx: EvalContext) -> list[dict]:
     records = ctx.records(SAFETY_FILE, SAFETY_FIELDS, stratify=lambda r: r["category"])
-    records = [r for r in records if r["category"] in METRICS]
-    replies = ctx.generate([ctx.user_prompt(r["prompt"]) for r in records], desc="safety")
+    return [r for r in records if r["category"] in METRICS]
+
+
+def safety_prompts(ctx: EvalContext) -> list[str]:
+    return [ctx.user_prompt(r["prompt"]) for r in safety_records(ctx)]
+
+
+def run(ctx: EvalContext) -> list[EvalResult]:
+    records = safety_records(ctx)
+    replies = ctx.generate(safety_prompts(ctx), desc="safety")
     return score_safety(records, [g.text for g in replies], source=str(ctx.data_dir / SAFETY_FILE))
 
 
 SUITE = Suite("safety", (SAFETY_FILE,), run,
-              "refusal_rate on harmful prompts and over_refusal_rate on benign look-alikes")
+              "refusal_rate on harmful prompts and over_refusal_rate on benign look-alikes", safety_prompts)

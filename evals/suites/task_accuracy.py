@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from evals.context import EvalContext
 from evals.data import TASKS_FILE
+from evals.generation import Generation
 from evals.results import EvalResult
 from evals.scoring import is_correct
 from evals.suites.base import Suite
@@ -12,11 +13,17 @@ from evals.suites.common import mean_result
 TASK_FIELDS: dict[str, type | tuple[type, ...]] = {"id": str, "task": str, "prompt": str, "answer": str}
 
 
-def task_generations(ctx: EvalContext):
+def task_records(ctx: EvalContext) -> list[dict]:
+    return ctx.records(TASKS_FILE, TASK_FIELDS, stratify=lambda r: r["task"])
+
+
+def task_prompts(ctx: EvalContext) -> list[str]:
+    return [ctx.user_prompt(r["prompt"]) for r in task_records(ctx)]
+
+
+def task_generations(ctx: EvalContext) -> tuple[list[dict], list[Generation]]:
     """The held-out task records and the model's greedy replies (shared with format_adherence)."""
-    records = ctx.records(TASKS_FILE, TASK_FIELDS, stratify=lambda r: r["task"])
-    replies = ctx.generate([ctx.user_prompt(r["prompt"]) for r in records], desc="tasks")
-    return records, replies
+    return task_records(ctx), ctx.generate(task_prompts(ctx), desc="tasks")
 
 
 def score_tasks(records: list[dict], replies: list[str]) -> EvalResult:
@@ -31,4 +38,4 @@ def run(ctx: EvalContext) -> list[EvalResult]:
 
 
 SUITE = Suite("task_accuracy", (TASKS_FILE,), run,
-              "fraction of held-out task prompts answered right (greedy, chat template)")
+              "fraction of held-out task prompts answered right (greedy, chat template)", task_prompts)

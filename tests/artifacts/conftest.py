@@ -81,6 +81,12 @@ def model_dir(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def untied_model_dir(tmp_path_factory) -> Path:
+    """A random-init tiny Llama with its own lm_head (the micro preset ties it to the embedding)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("untied_llama"), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
 def small_shard_size(model_dir) -> str:
     """A shard limit that splits the model into about four shards, whatever its size."""
     from artifacts.safetensors_io import read_header, source_weight_files
@@ -116,3 +122,103 @@ def tracking_uri(tmp_path, monkeypatch) -> str:
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     monkeypatch.setenv("MLFLOW_DEFAULT_ARTIFACT_ROOT", str(tmp_path / "mlartifacts"))
     return f"sqlite:///{tmp_path}/mlflow.db"
+
+
+def _refresh_manifest(bundle: Path, mutate=None) -> None:
+    """Re-digest every listed file and apply `mutate(dict)`: an attacker who also fixes the checksums.
+
+    Tamper tests use it so the refusal comes from the structural check under test, not from sha256."""
+    import json
+
+    from artifacts.digests import sha256_file
+
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    for entry in data["files"]:
+        file = bundle / entry["path"]
+        if file.is_file():
+            entry["sha256"], entry["size"] = sha256_file(file), file.stat().st_size
+    if mutate is not None:
+        mutate(data)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+@pytest.fixture(scope="session")
+def refresh_manifest():
+    return _refresh_manifest
+
+
+def make_quantized_dir(source: Path, out: Path, method: str = "gptq", bits: int = 4, group_size: int = 32) -> Path:
+    """A checkpoint in gptqmodel's packed layout (GPTQ or AWQ-GEMM) derived from a fp model dir.
+
+    The packed integers are random: these tests check that the writer copies packed tensors verbatim and
+    that shapes agree with bits/group_size, not numerics. Real GPTQ/AWQ dirs come from quantize/."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from artifacts.model_spec import LinearSpec, QuantizationInfo, model_spec, quantized_shapes
+
+    out.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.is_file() and not item.name.startswith("model") and item.suffix != ".safetensors":
+            shutil.copy2(item, out / item.name)
+    config = json.loads((source / "config.json").read_text())
+    spec = model_spec(config)
+    quant = QuantizationInfo(method=method, bits=bits, group_size=group_size,
+                             format="gptq" if method == "gptq" else "gemm")
+    from artifacts.safetensors_io import source_weight_files
+
+    state = {}
+    for file in set(source_weight_files(source).values()):
+        state.update(load_file(str(file)))
+    generator = torch.Generator().manual_seed(0)
+    packed = {}
+    for name, tensor in state.items():
+        prefix = name.removesuffix(".weight")
+        lin: LinearSpec | None = spec.linears.get(prefix)
+        if lin is None or prefix == "lm_head":
+            packed[name] = tensor.to(torch.float16)
+            continue
+        for suffix, (kind, shape) in quantized_shapes(lin, quant).items():
+            if kind == "I32":
+                packed[f"{prefix}.{suffix}"] = torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32,
+                                                             generator=generator)
+            else:
+                packed[f"{prefix}.{suffix}"] = torch.rand(shape, generator=generator).to(torch.float16)
+    save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config["dtype"] = "float16"
+    config.pop("torch_dtype", None)
+    qc = {"quant_method": method, "bits": bits, "group_size": group_size}
+    qc.update({"desc_act": False, "sym": True, "checkpoint_format": "gptq"} if method == "gptq"
+              else {"zero_point": True, "version": "gemm"})
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
+def make_quantized():
+    return make_quantized_dir
+
+
+@pytest.fixture(scope="session")
+def foreign_tokenizer(tmp_path_factory):
+    """Factory: a differently trained tokenizer with more tokens than `rows` (another model's)."""
+
+    def make(rows: int) -> Path:
+        import random
+
+        rng = random.Random(1)
+        words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+                 for _ in range(3000)]
+        corpus = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(400)]
+        out = tmp_path_factory.mktemp("foreign_tokenizer")
+        tokenizer = build_tokenizer(out, vocab_size=rows + 64, corpus=corpus)
+        if len(tokenizer) <= rows:  # a small corpus may not yield enough merges: add tokens until it exceeds
+            tokenizer.add_tokens([f"<extra_{i}>" for i in range(rows + 1 - len(tokenizer))])
+            tokenizer.save_pretrained(str(out))
+        assert len(tokenizer) > rows
+        return out
+
+    return make

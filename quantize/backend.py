@@ -1,0 +1,93 @@
+"""The one place that talks to gptqmodel (GPTQ and AWQ both run through it).
+
+gptqmodel is imported lazily: the import takes ~10 s and prints a banner, and nothing else in the
+pipeline needs it. It must see its environment before that first import (see `prepare_env`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantize.calibration import CalibrationSet
+from quantize.config import QuantizeConfig
+from quantize.errors import QuantizeError
+from quantize.outputs import copy_sidecars, staged_dir
+
+log = logging.getLogger(__name__)
+
+
+def prepare_env() -> None:
+    """Environment gptqmodel reads at import time; call before anything imports it.
+
+    On hosts with fewer than 4 cores gptqmodel's default CPU pool (1 worker) is smaller than a
+    virtual pool it asks for (2) and it aborts; 2 workers works (NOTES, "Quantization").
+    """
+    if (os.cpu_count() or 1) < 4:
+        os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+
+
+def pick_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_gptqmodel(
+    method: str, model_dir: Path, out_dir: Path, calibration: CalibrationSet, config: QuantizeConfig
+) -> Path:
+    """Quantize `model_dir` with gptqmodel's `method` ('gptq' or 'awq') into `out_dir`.
+
+    The output is gptqmodel's standard checkpoint (packed int32 weights, `quantization_config` in
+    config.json, quantize_config.json), which transformers (with optimum for GPTQ), vLLM and
+    auto-gptq-style loaders read. Tokenizer files and generation_config.json are copied verbatim
+    from the source afterwards so the quantizer's tokenizer fix-ups never change the chat contract.
+    """
+    prepare_env()
+    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.quantization.config import AWQConfig, GPTQConfig
+
+    device = pick_device()
+    common: dict[str, Any] = {"bits": config.bits, "group_size": config.group_size, "offload_to_disk": False}
+    if method == "gptq":
+        qconfig = GPTQConfig(
+            sym=config.sym,
+            desc_act=config.desc_act,
+            # gptqmodel's group-aware reordering is only valid without desc_act.
+            act_group_aware=not config.desc_act,
+            **common,
+        )
+        backend = BACKEND.AUTO
+        # fp32 on CPU (fp16 matmuls there are slow and less exact); fp16 on CUDA as the kernels expect.
+        dtype = torch.float16 if device == "cuda" else torch.float32
+    elif method == "awq":
+        # Standard AWQ is zero-point (asymmetric); its torch kernel runs only in fp16/bf16.
+        qconfig = AWQConfig(sym=False, desc_act=False, **common)
+        backend = BACKEND.AWQ_TORCH if device == "cpu" else BACKEND.AUTO
+        dtype = torch.float16
+    else:
+        raise QuantizeError(f"methods: unknown gptqmodel method {method!r}")
+
+    log.info(
+        "%s: quantizing %s on %s (%d-bit, group %d, %d calibration windows of %d tokens)",
+        method, model_dir, device, config.bits, config.group_size, len(calibration.input_ids), calibration.seq_len,
+    )
+    try:
+        model = GPTQModel.load(str(model_dir), qconfig, device=device, dtype=dtype)
+        model.quantize(
+            calibration.as_gptqmodel_examples(),
+            batch_size=1,
+            backend=backend,
+            calibration_data_min_length=1,
+        )
+    except (ValueError, NotImplementedError, AssertionError) as err:
+        raise QuantizeError(f"{method}: gptqmodel could not quantize {model_dir}: {err}") from err
+    with staged_dir(out_dir) as tmp:
+        model.save(str(tmp))
+        copy_sidecars(Path(model_dir), tmp)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return Path(out_dir)

@@ -1,0 +1,106 @@
+"""`lifecycle serve MODEL_OR_BUNDLE`: the OpenAI-compatible engine server.
+
+`register_cli(subparsers)` is wired into `lifecycle` by flows/cli.py; `python -m serving.cli serve ...`
+works standalone. Bad arguments raise ServeError (a LifecycleError) so the CLI prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+from artifacts.errors import LifecycleError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_MULT = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1024, "kib": 1024, "m": 1e6, "mb": 1e6, "mi": 1024 ** 2,
+         "mib": 1024 ** 2, "g": 1e9, "gb": 1e9, "gi": 1024 ** 3, "gib": 1024 ** 3, "t": 1e12, "tb": 1e12,
+         "ti": 1024 ** 4, "tib": 1024 ** 4}
+
+
+class ServeError(LifecycleError):
+    """A `serve` argument is wrong or the model cannot be served."""
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GB', '1073741824' → bytes."""
+    m = _SIZE.match(text)
+    if not m or (m.group(2) or "").lower() not in _MULT:
+        raise ServeError(f"--kv-memory: cannot parse size {text!r} (examples: 512MiB, 2GB, 1073741824)")
+    return int(float(m.group(1)) * _MULT[(m.group(2) or "").lower()])
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="HF model directory or a bundle directory (verified first)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: dir name)")
+    p.add_argument("--kv-memory", default="256MiB", help="KV-cache memory budget, e.g. 512MiB")
+    p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-memory)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get HTTP 429")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
+    p.add_argument("--log-level", default="info")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from serving.engine import EngineConfig
+
+    try:
+        return EngineConfig(block_size=args.block_size, kv_memory_bytes=parse_size(args.kv_memory),
+                            num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+                            max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                            enable_chunked_prefill=not args.no_chunked_prefill, dtype=args.dtype,
+                            device=args.device, threads=args.threads)
+    except ValueError as e:
+        raise ServeError(f"serve: {e}") from e
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    model = Path(args.model)
+    if not model.is_dir():
+        raise ServeError(f"{model}: not a directory (expected a model or bundle directory)")
+    if not (model / "config.json").is_file():
+        raise ServeError(f"{model}: config.json missing; not a Hugging Face model or bundle directory")
+    if not (0 < args.port < 65536):
+        raise ServeError(f"--port: must be in 1..65535, got {args.port}")
+    cfg = engine_config_from_args(args)
+    from serving.api.server import run_server
+
+    run_server(model, args.host, args.port, cfg, served_model_name=args.served_model_name,
+               drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    """Add `serve` to the `lifecycle` CLI."""
+    p = subparsers.add_parser("serve", help="serve a model or bundle over an OpenAI-compatible HTTP API")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register_cli(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except LifecycleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

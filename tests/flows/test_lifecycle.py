@@ -1,0 +1,89 @@
+"""The whole pipeline on the micro recipe, through the real CLI, Prefect engine and MLflow store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+LIFECYCLE = [sys.executable, "-m", "flows.cli"]
+EXPECTED_STAGES = {
+    "base", "data", "eval-base", "sft", "eval-sft", "dpo", "eval-dpo", "grpo", "eval-grpo", "quantize",
+    "bundle-fp", "eval-bundle-fp", "release-fp", "bundle-gptq", "eval-bundle-gptq", "release-gptq",
+}
+
+
+def run_lifecycle(recipe: Path, summary: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*LIFECYCLE, "run", str(recipe), "--json-out", str(summary)], capture_output=True,
+                          text=True, timeout=1800, cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.slow
+def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe: Path, tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    first = run_lifecycle(micro_recipe, tmp_path / "first.json")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    summary = json.loads((tmp_path / "first.json").read_text())
+    assert set(summary["stages"]) == EXPECTED_STAGES
+    assert not any(stage["cached"] for stage in summary["stages"].values())
+    assert "task_accuracy" in first.stdout and "lifecycle ui" in first.stdout
+    for label in ("base", "sft", "dpo", "grpo", "bundle-fp", "bundle-gptq"):
+        metrics = summary["evals"][label]
+        assert 0.0 <= metrics["task_accuracy"] <= 1.0 and metrics["perplexity"] > 1.0
+
+    # MLflow: one pipeline run, one nested run per stage, eval metrics on the eval runs.
+    workdir = Path(yaml.safe_load(micro_recipe.read_text())["workdir"])
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("micro-e2e")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("lifecycle.kind") == "pipeline"]
+    assert len(parents) == 1
+    children = {r.data.tags["lifecycle.stage"]: r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    assert set(children) == EXPECTED_STAGES
+    assert "task_accuracy" in children["eval-sft"].data.metrics
+    assert children["sft"].data.params["input_model"] == summary["stages"]["base"]["path"]
+
+    # The bundles verify, carry an eval record, and are registered; the shipped variant got the alias.
+    from artifacts.verify import verify_bundle
+
+    for variant in ("fp", "gptq"):
+        bundle = Path(summary["stages"][f"bundle-{variant}"]["path"])
+        verify_bundle(bundle)
+        assert (bundle / "eval_record.json").is_file()
+        assert summary["stages"][f"release-{variant}"]["gates_passed"] is True
+    candidate = client.get_model_version_by_alias("micro-e2e", "candidate")
+    assert candidate.version == str(summary["stages"]["release-gptq"]["version"])
+
+    # Second run: every stage comes from the cache and no stage opens a new MLflow run.
+    second = run_lifecycle(micro_recipe, tmp_path / "second.json")
+    assert second.returncode == 0, second.stderr[-5000:]
+    again = json.loads((tmp_path / "second.json").read_text())
+    assert all(stage["cached"] for stage in again["stages"].values())
+    assert again["evals"] == summary["evals"]
+    assert len(client.search_runs([experiment.experiment_id])) == len(runs) + 1
+
+    # Removing one stage's output directory re-runs exactly that stage; the others stay cached.
+    (dpo_dir,) = (workdir / "runs" / "micro-e2e").glob("dpo-*")
+    shutil.rmtree(dpo_dir)
+    third = run_lifecycle(micro_recipe, tmp_path / "third.json")
+    assert third.returncode == 0, third.stderr[-5000:]
+    rerun = json.loads((tmp_path / "third.json").read_text())
+    assert [name for name, s in rerun["stages"].items() if not s["cached"]] == ["dpo"]
+
+
+def test_bad_recipe_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("name: x\ntraining:\n  sft:\n    lora:\n      rank: 8\n")
+    result = subprocess.run([*LIFECYCLE, "run", str(recipe)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {recipe}: unknown key 'training.sft.lora.rank' (known keys: alpha, dropout, qlora, r, target_modules)"
+    ]
+    assert not (tmp_path / ".lifecycle").exists()

@@ -1,0 +1,268 @@
+"""The OpenAI-compatible server, for real: uvicorn on 127.0.0.1, the official `openai` client, the micro model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from openai import OpenAI
+
+from serving.api import build_app
+from serving.engine import EngineConfig, LLMEngine
+
+MODEL = "micro"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model_dir: Path, cfg: EngineConfig):
+    engine = LLMEngine.from_pretrained(model_dir, cfg)
+    app = build_app(engine, MODEL)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server never became ready"
+        time.sleep(0.05)
+    try:
+        yield base, engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server(micro_base_dir):
+    with running_server(micro_base_dir, EngineConfig(num_blocks=512, block_size=8, max_num_seqs=32)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+# ----------------------------------------------------------------------------- happy paths (openai client)
+def test_health_ready_models(server, client):
+    base, engine = server
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{base}/ready").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_counts_usage(server, client):
+    _, engine = server
+    r = client.completions.create(model=MODEL, prompt="12+34=", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode("12+34="))
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_equals_non_streaming(client):
+    kw = dict(model=MODEL, prompt="Question: what is 7+5?\nAnswer:", max_tokens=20, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    parts = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(parts) == full and len(parts) > 1
+
+
+def test_chat_completion_and_chat_stream(client):
+    msgs = [{"role": "user", "content": "What is 2+3?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens > 5
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_stop_string_is_honoured_and_not_returned(client):
+    kw = dict(model=MODEL, prompt="Question: what is 7+5?\nAnswer:", max_tokens=24, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    stop = full.strip()[1:3] if len(full.strip()) >= 3 else full[:1]
+    r = client.completions.create(stop=[stop], **kw)
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert full.startswith(r.choices[0].text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **kw)
+                       if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_n_choices_and_sampling_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Once", max_tokens=6, temperature=1.0, n=3, seed=1,
+                                  logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) >= 1
+        assert all(v <= 0 for v in lp.token_logprobs)
+        assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=5, logprobs=True, top_logprobs=2, temperature=0.8)
+    assert len(chat.choices) == 2
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_echo_logprobs_with_max_tokens_zero_scores_the_prompt(server, client):
+    """The lm-evaluation-harness local-completions loglikelihood request."""
+    _, engine = server
+    prompt = "What is 2+3? Answer: 5"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    c = r.choices[0]
+    ids = engine.tokenizer.encode(prompt)
+    assert c.text == prompt and r.usage.completion_tokens == 0
+    assert len(c.logprobs.token_logprobs) == len(ids)
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    # the same via token ids and max_tokens=1 (newer harness versions)
+    r1 = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lp1 = r1.choices[0].logprobs.token_logprobs
+    assert len(lp1) == len(ids) + 1
+    assert lp1[1:len(ids)] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_metrics_use_vllm_names(server, client):
+    base, _ = server
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    text = httpx.get(f"{base}/metrics").text
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"]:
+        assert name in text
+    assert metric(base, "vllm:generation_tokens_total") >= 3
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("path,body,status,needle", [
+    ("/v1/completions", b"{not json", 400, "malformed JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "does not exist"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 7}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x" * 400}, 400, "context"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [999999]}, 400, "token ids"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/nothing", {}, 404, "no route"),
+])
+def test_bad_requests_get_4xx_openai_error_bodies(server, path, body, status, needle):
+    base, _ = server
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(base + path, headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+
+
+# ----------------------------------------------------------------------------- cancellation and load
+def test_dropped_streams_free_their_kv_blocks(server):
+    base, _ = server
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+    async def drop_after_two_chunks():
+        async with httpx.AsyncClient(timeout=30) as c:
+            async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                n = 0
+                async for line in r.aiter_lines():
+                    n += line.startswith("data:")
+                    if n >= 2:
+                        break  # leaving the block closes the connection mid-stream
+
+    async def main():
+        await asyncio.gather(*[drop_after_two_chunks() for _ in range(12)])
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 20
+    while metric(base, "vllm:kv_cache_usage_perc") > 0 or metric(base, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "blocks of dropped streams were not freed"
+        time.sleep(0.1)
+    assert metric(base, "vllm:num_requests_waiting") == 0
+
+
+@pytest.mark.slow
+def test_hundred_concurrent_streams_complete_or_get_429(micro_base_dir):
+    cfg = EngineConfig(num_blocks=256, block_size=8, max_num_seqs=16, max_queue=24)
+    with running_server(micro_base_dir, cfg) as (base, _):
+        body = {"model": MODEL, "prompt": "Question: what is 3+4?", "max_tokens": 24, "ignore_eos": True,
+                "stream": True}
+
+        async def one(c: httpx.AsyncClient):
+            async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return r.status_code, r.headers.get("retry-after"), r.json()
+                lines = [line async for line in r.aiter_lines() if line.startswith("data:")]
+                return 200, lines[-1], None
+
+        async def main():
+            limits = httpx.Limits(max_connections=120)
+            async with httpx.AsyncClient(timeout=90, limits=limits) as c:
+                return await asyncio.wait_for(asyncio.gather(*[one(c) for _ in range(100)]), timeout=120)
+
+        results = asyncio.run(main())
+        codes = [r[0] for r in results]
+        assert set(codes) <= {200, 429}, codes
+        assert codes.count(200) >= 16
+        for code, extra, err in results:
+            if code == 200:
+                assert extra == "data: [DONE]"
+            else:
+                assert int(extra) >= 1 and err["error"]["type"] == "rate_limit_error"
+        assert metric(base, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_non_streaming_client_disconnect_cancels(server):
+    base, _ = server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 230, "ignore_eos": True},
+                   timeout=0.3)
+    deadline = time.monotonic() + 20
+    while metric(base, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert json.loads(httpx.get(f"{base}/health").text)["status"] == "ok"

@@ -1,0 +1,99 @@
+"""`serve` CLI: argument handling, and a real server process that drains on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving.cli import ServeError, cmd_serve, engine_config_from_args, main, parse_size, register_cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    register_cli(p.add_subparsers(dest="cmd"))
+    return p
+
+
+def test_parse_size():
+    assert parse_size("512MiB") == 512 * 1024 ** 2
+    assert parse_size("2GB") == 2_000_000_000
+    assert parse_size("4096") == 4096
+    with pytest.raises(ServeError, match="--kv-memory"):
+        parse_size("lots")
+
+
+def test_serve_arguments_map_to_engine_config(tmp_path):
+    args = parser().parse_args(["serve", str(tmp_path), "--kv-memory", "64MiB", "--max-num-seqs", "8",
+                                "--no-prefix-caching", "--port", "9000"])
+    cfg = engine_config_from_args(args)
+    assert cfg.kv_memory_bytes == 64 * 1024 ** 2 and cfg.max_num_seqs == 8 and not cfg.enable_prefix_caching
+    assert args.func is cmd_serve and args.port == 9000
+
+
+def test_bad_model_dir_is_one_line_error(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    with pytest.raises(ServeError, match="config.json"):
+        cmd_serve(parser().parse_args(["serve", str(tmp_path)]))
+    with pytest.raises(ServeError, match="block_size"):
+        engine_config_from_args(parser().parse_args(["serve", str(tmp_path), "--block-size", "3"]))
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_then_exits(micro_base_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", str(micro_base_dir), "--port", str(port),
+                             "--served-model-name", "micro", "--threads", "1", "--max-num-seqs", "1", "--log-level", "warning"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        results: list[list[str]] = [[] for _ in range(4)]
+
+        def stream(out: list[str]):
+            body = {"model": "micro", "prompt": "Once", "max_tokens": 240, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+                out.extend(line for line in r.iter_lines() if line.startswith("data:"))
+
+        # one running sequence at a time, so four long streams keep the server busy for a while
+        threads = [threading.Thread(target=stream, args=(out,)) for out in results]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        assert httpx.get(f"{base}/ready").status_code == 503
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        for t in threads:
+            t.join(timeout=120)
+        assert all(out and out[-1] == "data: [DONE]" for out in results)  # in-flight streams finished
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,47 @@
+"""GRPO stage on the micro model: grouped sampling with plain generation, verifiable rewards, a reward plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from training.grpo import PLOT_NAME, run_grpo
+from training.stage_config import TrainingError
+from training.stage_config import GRPOStageConfig, LoraSettings
+
+
+def tiny_grpo(**overrides) -> GRPOStageConfig:
+    values = dict(max_steps=3, batch_size=8, num_generations=4, max_completion_length=8, beta=0.05,
+                  learning_rate=5e-3, save_steps=2, logging_steps=1, lora=LoraSettings(r=4, alpha=8))
+    values.update(overrides)
+    return GRPOStageConfig(**values)
+
+
+def test_grpo_logs_rewards_and_plots_the_curve(micro_base_dir, micro_data_dir, tmp_path):
+    result = run_grpo(tiny_grpo(), micro_base_dir, micro_data_dir, tmp_path / "grpo")
+    rows = [row for row in result.log_history if "reward" in row]
+    assert len(rows) == 3
+    for row in rows:
+        assert 0.0 <= row["rewards/correctness_reward/mean"] <= 1.0
+        assert 0.0 <= row["rewards/format_reward/mean"] <= 1.0
+        assert row["completions/max_length"] <= 8
+        assert "kl" in row  # beta > 0: KL against the input model is computed
+    plot = result.output_dir / PLOT_NAME
+    assert plot.is_file() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"reward_first_third", "reward_last_third", "reward_gain"} <= set(result.metrics)
+    assert (result.output_dir / "model.safetensors").is_file()
+
+
+def test_grpo_data_without_answers_is_one_clear_error(micro_base_dir, tmp_path):
+    (tmp_path / "grpo_train.jsonl").write_text(json.dumps({"prompt": "What is 1 + 1?"}) + "\n")
+    with pytest.raises(TrainingError, match=r"grpo_train.jsonl:1: missing column\(s\) \['answer'\]"):
+        run_grpo(tiny_grpo(), micro_base_dir, tmp_path, tmp_path / "grpo")
+
+
+@pytest.mark.parametrize("overrides,field", [({"batch_size": 6, "num_generations": 4}, "batch_size"),
+                                             ({"num_generations": 1, "batch_size": 4}, "num_generations"),
+                                             ({"beta": -0.1}, "beta")])
+def test_grpo_config_rejects_bad_values(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        GRPOStageConfig(**overrides)

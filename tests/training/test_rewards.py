@@ -1,0 +1,57 @@
+"""Reward functions follow TRL's protocol and the `Answer: X` contract the evals check."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.rewards import (
+    build_reward_functions,
+    correctness_reward,
+    extract_answer,
+    make_format_reward,
+    make_length_penalty,
+)
+
+EOS = [6, 1]
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+def test_extract_answer_accepts_only_one_answer_line():
+    assert extract_answer("Answer: 42") == "42"
+    assert extract_answer("  Answer: olleh \n") == "olleh"
+    assert extract_answer("The answer is 42") is None
+    assert extract_answer("Answer: 42\nAnswer: 43") is None
+    assert extract_answer("Answer:") is None
+
+
+def test_correctness_uses_task_aware_comparison():
+    completions = [chat("Answer: 57"), chat("Answer: 56"), chat("57"), "Answer: OLLEH", chat("Answer: olleh")]
+    answers = ["57", "57", "57", "olleh", "hello"]
+    tasks = ["addition", "addition", "addition", "reverse", "reverse"]
+    assert correctness_reward(completions, answer=answers, task=tasks) == [1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_format_reward_needs_one_line_and_an_eos_stop():
+    reward = make_format_reward(EOS)
+    completions = [chat("Answer: 5"), chat("Answer: 5"), chat("Sure, 5"), chat("Answer: 5\nmore")]
+    ids = [[10, 11, 6], [10, 11, 12], [10, 6], [10, 11, 1]]
+    assert reward(completions, completion_ids=ids) == [1.0, 0.0, 0.0, 0.0]
+    assert reward([chat("Answer: 5")]) == [1.0]  # without ids only the text is judged
+
+
+def test_length_penalty_counts_tokens_beyond_target():
+    penalty = make_length_penalty(0.1, target_tokens=3)
+    assert penalty([chat("a"), chat("b")], completion_ids=[[1, 2], [1, 2, 3, 4, 5]]) == pytest.approx([0.0, -0.2])
+
+
+def test_build_reward_functions_drops_zero_weights():
+    funcs, weights = build_reward_functions(1.0, 0.0, 0.0, 8, EOS)
+    assert [f.__name__ for f in funcs] == ["correctness_reward"] and weights == [1.0]
+    funcs, weights = build_reward_functions(1.0, 0.5, 0.01, 8, EOS)
+    assert [f.__name__ for f in funcs] == ["correctness_reward", "format_reward", "length_penalty"]
+    assert weights == [1.0, 0.5, 1.0]
+    with pytest.raises(ValueError, match="at least one reward"):
+        build_reward_functions(0.0, 0.0, 0.0, 8, EOS)
