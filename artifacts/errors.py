@@ -13,8 +13,16 @@ class ConfigError(LifecycleError):
     """A recipe or config value is unknown, missing or out of range; the message names key and file."""
 
 
+def one_line(text: str) -> str:
+    """Fold a message that embeds a library's multi-line error into the single line the CLI prints."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
 class BundleError(LifecycleError):
     """A bundle cannot be written or planned (bad source dir, overwrite, TP degree that does not fit)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
 class BundleVerificationError(BundleError):
@@ -22,8 +30,11 @@ class BundleVerificationError(BundleError):
 
     def __init__(self, file: str, reason: str) -> None:
         self.file = file
-        self.reason = reason
-        super().__init__(f"{file}: {reason}")
+        self.reason = one_line(reason)
+        super().__init__(f"{file}: {self.reason}")
+
+    def __reduce__(self):  # picklable across process boundaries (Prefect task results, workers)
+        return type(self), (self.file, self.reason)
 
 
 class EvalRecordError(LifecycleError):
@@ -32,3 +43,6 @@ class EvalRecordError(LifecycleError):
 
 class RegistryError(LifecycleError):
     """A registry operation failed: unknown model/alias/version, or a downloaded bundle that disagrees."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))

@@ -190,7 +190,10 @@ def resolve_bundle(uri: str | Path, dest_root: str | Path, tracking_uri: str | N
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=ref.source, dst_path=str(tmp),
                                                          tracking_uri=tracking_uri))
         _verify_downloaded(local, ref, tp_degree)
-        os.rename(local, dest)
+        try:
+            os.rename(local, dest)
+        except OSError:  # another process resolved the same version first: use its copy if it verifies
+            _verify_downloaded(dest, ref, tp_degree)
     except Exception as exc:
         if isinstance(exc, (BundleVerificationError, RegistryError)):
             raise

@@ -30,6 +30,9 @@ class TPDegreeError(BundleError):
         self.tensor = tensor
         super().__init__(message)
 
+    def __reduce__(self):
+        return type(self), (str(self), self.tensor)
+
 _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias|qweight|qzeros|scales|g_idx)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|bias|qweight|qzeros|scales|g_idx)$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens\.weight|lm_head\.(weight|qweight|qzeros|scales|g_idx))$")

@@ -284,7 +284,10 @@ def write_bundle(
             from artifacts.eval_record import write_eval_record
 
             write_eval_record(tmp, eval_record)
-        os.rename(tmp, out_dir)  # atomic; replaces an empty directory on POSIX
+        try:
+            os.rename(tmp, out_dir)  # atomic; replaces an empty directory on POSIX
+        except OSError as exc:
+            raise BundleError(f"{out_dir}: appeared while the bundle was being written; not replacing it") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -18,7 +18,22 @@ from evals.suites import SUITES, suite_names
 from evals.tracking import log_results
 
 __all__ = [
-    "EvalConfig", "EvalError", "EvalResult", "Gate", "GateCheck", "GateReport", "SUITES", "SliceResult",
-    "check_gates", "log_results", "markdown_table", "metrics_dict", "parse_gate", "read_results_json",
-    "results_to_json", "run_evals", "suite_names", "write_results_json",
+    "SUITES",
+    "EvalConfig",
+    "EvalError",
+    "EvalResult",
+    "Gate",
+    "GateCheck",
+    "GateReport",
+    "SliceResult",
+    "check_gates",
+    "log_results",
+    "markdown_table",
+    "metrics_dict",
+    "parse_gate",
+    "read_results_json",
+    "results_to_json",
+    "run_evals",
+    "suite_names",
+    "write_results_json",
 ]

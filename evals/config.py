@@ -24,7 +24,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         known = suite_names()
         if isinstance(self.suites, str) or not isinstance(self.suites, list):
-            raise ValueError(f"suites: must be a list of suite names (known: {', '.join(known)})")
+            message = f"suites: must be a list of suite names (known: {', '.join(known)})"
+            raise ValueError(message)  # noqa: TRY004 (the recipe loader expects ValueError)
         if not self.suites:
             raise ValueError(f"suites: empty; pick from {', '.join(known)}")
         for name in self.suites:

@@ -17,6 +17,24 @@ from evals.model import LoadedModel
 Item = tuple[list[int], list[int]]  # (prompt ids, completion ids); prompt has at least one token
 
 
+# Upper bound on logits held at once (batch x length x vocab): 2^29 fp32 values = 2 GiB. A 150k-vocab
+# model then scores ~3.5k tokens per forward pass; the micro model is limited by batch_size only.
+LOGITS_BUDGET = 1 << 29
+
+
+def _plan_batches(order: list[int], lengths: list[int], batch_size: int, vocab: int) -> list[list[int]]:
+    """Consecutive groups of ``order`` (sorted longest first) within batch_size and the logits budget."""
+    batches: list[list[int]] = []
+    for i in order:
+        current = batches[-1] if batches else None
+        if current and len(current) < batch_size and \
+                (len(current) + 1) * lengths[current[0]] * vocab <= LOGITS_BUDGET:
+            current.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 def completion_logprobs(lm: LoadedModel, items: list[Item], batch_size: int,
                         desc: str = "score") -> list[float]:
     """For each (prompt, completion): sum over completion tokens of log p(token | everything before)."""
@@ -25,10 +43,10 @@ def completion_logprobs(lm: LoadedModel, items: list[Item], batch_size: int,
             raise ValueError("completion_logprobs: prompt and completion must both be non-empty")
     lengths = [len(p) + len(c) for p, c in items]
     order = sorted(range(len(items)), key=lambda i: lengths[i], reverse=True)
+    vocab = int(getattr(lm.model.config, "vocab_size", 0) or len(lm.tokenizer))
     out: list[float] = [0.0] * len(items)
-    for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
-        batch = order[start:start + batch_size]
-        width = max(lengths[i] for i in batch)
+    for batch in tqdm(_plan_batches(order, lengths, batch_size, vocab), desc=desc, unit="batch"):
+        width = lengths[batch[0]]
         ids = torch.full((len(batch), width), lm.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, i in enumerate(batch):

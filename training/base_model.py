@@ -15,7 +15,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -231,8 +231,12 @@ def save_hf_tokenizer(tokenizer, out_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
 
-def _pretrain(model, stream: torch.Tensor, config: BaseModelConfig, device: torch.device) -> dict:
-    """Plain-torch next-token training on random windows of the packed token stream."""
+def _pretrain(model, stream: torch.Tensor, config: BaseModelConfig, device: torch.device,
+              on_log: Optional[Callable[[int, Any], None]] = None) -> dict:
+    """Plain-torch next-token training on random windows of the packed token stream.
+
+    ``on_log(step, model)`` runs at every log point (recipe tuning scripts probe accuracy there).
+    """
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -269,6 +273,9 @@ def _pretrain(model, stream: torch.Tensor, config: BaseModelConfig, device: torc
             elapsed = time.perf_counter() - start
             bar.set_postfix(loss=f"{running / count:.3f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
             running, count = 0.0, 0
+            if on_log is not None:
+                on_log(step + 1, model)
+                model.train()
     bar.close()
     model.eval()
     seconds = time.perf_counter() - start

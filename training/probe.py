@@ -32,8 +32,17 @@ def probe_task(model_dir: Path | str, task: str = "addition", n: int = 200, seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return probe_model(model, tokenizer, task, n, seed, batch_size, max_new_tokens)
+
+
+def probe_model(model, tokenizer, task: str = "addition", n: int = 200, seed: int = 0, batch_size: int = 50,
+                max_new_tokens: int = 16) -> ProbeResult:
+    """`probe_task` on a model already in memory (used mid-training by recipe-tuning scripts)."""
+    tokenizer.padding_side = "left"
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
     eos_ids = model.generation_config.eos_token_id
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
     examples = generate_examples(task, "heldout", n, seed)
@@ -43,7 +52,7 @@ def probe_task(model_dir: Path | str, task: str = "addition", n: int = 200, seed
         batch = examples[start:start + batch_size]
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}], tokenize=False,
                                                add_generation_prompt=True) for ex in batch]
-        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
@@ -56,6 +65,7 @@ def probe_task(model_dir: Path | str, task: str = "addition", n: int = 200, seed
             formatted += stop is not None and len(lines) == 1 and lines[0].startswith("Answer: ")
             if len(samples) < 8:
                 samples.append({"prompt": ex.prompt, "reply": reply, "answer": ex.answer})
+    model.train(was_training)
     return ProbeResult(task=task, n=n, accuracy=correct / n, format_rate=formatted / n, samples=samples)
 
 

@@ -46,14 +46,15 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 300, corpus: list[str] | No
     return tokenizer
 
 
-def build_tiny_llama(out_dir: Path, tie_word_embeddings: bool = False) -> Path:
+def build_tiny_llama(out_dir: Path, tie_word_embeddings: bool = False, hidden_size: int = 64,
+                     intermediate_size: int = 128) -> Path:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out_dir)
     end_ids = [tokenizer.convert_tokens_to_ids("<|end|>"), tokenizer.eos_token_id]
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=end_ids, pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=tie_word_embeddings,
@@ -84,6 +85,36 @@ def model_dir(request, tmp_path_factory) -> Path:
 def untied_model_dir(tmp_path_factory) -> Path:
     """A random-init tiny Llama with its own lm_head (the micro preset ties it to the embedding)."""
     return build_tiny_llama(tmp_path_factory.mktemp("untied_llama"), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def real_quantized_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Real gptqmodel GPTQ and AWQ checkpoints of a tiny Llama, made by the project's quantize package.
+
+    hidden 128 with 2 KV heads of 32 dims keeps every out-feature a multiple of 64 (AWQ's clip search);
+    group size 32 divides every in-feature. Takes ~20-40 s on a busy 2-core machine."""
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("gptqmodel") is None or importlib.util.find_spec("optimum") is None:
+        pytest.skip("gptqmodel and optimum are needed to make and load GPTQ/AWQ checkpoints")
+    from transformers import AutoTokenizer
+
+    from quantize.awq import quantize_awq
+    from quantize.calibration import build_calibration_set
+    from quantize.config import QuantizeConfig
+    from quantize.gptq import quantize_gptq
+
+    root = tmp_path_factory.mktemp("quantized")
+    source = build_tiny_llama(root / "fp", hidden_size=128, intermediate_size=256)
+    (root / "calibration.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    calibration = build_calibration_set(root / "calibration.jsonl", AutoTokenizer.from_pretrained(str(source)),
+                                        num_samples=8, seq_len=64)
+    config = QuantizeConfig(bits=4, group_size=32, calibration_samples=8, calibration_seq_len=64)
+    dirs = {"gptq": quantize_gptq(source, root / "gptq", calibration, config),
+            "awq": quantize_awq(source, root / "awq", calibration, config)}
+    (root / "calibration_digest").write_text(calibration.digest)
+    return dirs
 
 
 @pytest.fixture(scope="session")

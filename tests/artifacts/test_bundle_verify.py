@@ -155,3 +155,15 @@ def test_not_a_bundle(tmp_path):
 def test_eval_record_is_not_part_of_the_snapshot(bundle):
     (bundle / "eval_record.json").write_text("{}")
     verify_bundle(bundle)
+
+
+def test_errors_survive_pickling_with_their_fields():
+    """Prefect may carry a failed task's exception across processes."""
+    import pickle
+
+    from artifacts.shard_plan import TPDegreeError
+
+    error = pickle.loads(pickle.dumps(BundleVerificationError("config.json", "bad\nvalue")))
+    assert (error.file, error.reason, str(error)) == ("config.json", "bad value", "config.json: bad value")
+    tp_error = pickle.loads(pickle.dumps(TPDegreeError("tp degree 3: x", tensor="w")))
+    assert (str(tp_error), tp_error.tensor) == ("tp degree 3: x", "w")

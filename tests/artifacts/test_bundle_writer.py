@@ -171,23 +171,29 @@ def test_unsupported_quantization_refused(model_dir, make_quantized, lineage, tm
         write_bundle(qdir, tmp_path / "out", BundleConfig(name="q"), lineage)
 
 
-QUANTIZED_DIRS = os.environ.get("LIFECYCLE_TEST_QUANTIZED_DIRS", "")
-
-
-@pytest.mark.skipif(not QUANTIZED_DIRS, reason="awaiting real GPTQ/AWQ dirs from quantize/: set "
-                    "LIFECYCLE_TEST_QUANTIZED_DIRS=dir1:dir2 (needs gptqmodel + optimum installed)")
-@pytest.mark.parametrize("source", QUANTIZED_DIRS.split(os.pathsep) if QUANTIZED_DIRS else [])
-def test_quantized_bundle_loads_with_transformers_and_generates(source, lineage, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantized_bundle_loads_with_transformers_and_generates(method, real_quantized_dirs, lineage, tmp_path):
+    """A real gptqmodel checkpoint, bundled and sharded, loads with plain transformers and matches its source."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = write_bundle(source, tmp_path / "bundle", BundleConfig(name="q", max_shard_size="1MB"), lineage)
+    source = real_quantized_dirs[method]
+    out = write_bundle(source, tmp_path / "bundle", BundleConfig(name=f"q-{method}", max_shard_size="100KB"),
+                       lineage)
     manifest = verify_bundle(out, tp_degree=2)
-    assert manifest.quantization is not None
-    model = AutoModelForCausalLM.from_pretrained(str(out), device_map="cpu", dtype=torch.float32)
+    assert manifest.quantization.method == method and manifest.quantization.bits == 4
+    assert len(manifest.shard_plan.shards) > 1
+    assert torch.equal(_tensors(out)["model.layers.0.mlp.down_proj.qweight"],
+                       _tensors(source)["model.layers.0.mlp.down_proj.qweight"])
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "what is 2 + 3?"}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    out_ids = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    dtype = torch.float32 if method == "gptq" else torch.float16  # AWQ's torch kernel runs in half precision
+    bundled = AutoModelForCausalLM.from_pretrained(str(out), device_map="cpu", dtype=dtype)
+    original = AutoModelForCausalLM.from_pretrained(str(source), device_map="cpu", dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(bundled(**ids).logits, original(**ids).logits)
+        out_ids = bundled.generate(**ids, max_new_tokens=5, do_sample=False)
     assert out_ids.shape[1] > ids["input_ids"].shape[1]
 
 

@@ -67,3 +67,14 @@ def test_malformed_record_is_named_by_file_and_line(micro_base_dir, micro_data_d
     line = len((data / "tasks_heldout.jsonl").read_text().splitlines())
     with pytest.raises(EvalError, match=rf"tasks_heldout.jsonl:{line}: missing field 'answer'"):
         run_evals(micro_base_dir, data, EvalConfig(suites=["task_accuracy"]))
+
+
+def test_one_suite_alone_and_another_batch_size_give_the_same_numbers(micro_base_dir, micro_data_dir,
+                                                                      micro_results):
+    """Shared generation, sorting and padding are bookkeeping only: they must not move a metric."""
+    alone = run_evals(micro_base_dir, micro_data_dir, EvalConfig(suites=["format_adherence", "perplexity"],
+                                                                 batch_size=5))
+    full = {r.metric: r for r in micro_results}
+    for result in alone:
+        expected = full[result.metric]
+        assert result.n == expected.n and result.value == pytest.approx(expected.value, rel=1e-5)

@@ -88,3 +88,17 @@ def test_preference_scores_the_templated_reply_turn(micro_lm):
 def test_preference_on_the_data_stage_file(micro_lm, micro_data_dir):
     (result,) = preference.run(_context(micro_lm, micro_data_dir, max_examples=6))
     assert result.n == 6 and 0.0 <= result.value <= 1.0
+
+
+def test_likelihood_batches_respect_the_logits_budget(monkeypatch, micro_lm):
+    from evals import logprobs
+
+    order, lengths = [0, 1, 2, 3, 4], [10, 9, 9, 5, 1]
+    assert logprobs._plan_batches(order, lengths, 4, vocab=100) == [[0, 1, 2, 3], [4]]
+    monkeypatch.setattr(logprobs, "LOGITS_BUDGET", 2 * 10 * 100)  # two rows of the widest fit
+    assert logprobs._plan_batches(order, lengths, 4, vocab=100) == [[0, 1], [2, 3], [4]]
+    monkeypatch.setattr(logprobs, "LOGITS_BUDGET", 1)  # always at least one row per batch
+    assert logprobs._plan_batches(order, lengths, 4, vocab=100) == [[0], [1], [2], [3], [4]]
+    items = [([1, 2], [3, 4, 5]), ([7], [8]), ([1, 2], [3, 4, 5])]
+    small = logprobs.completion_logprobs(micro_lm, items, batch_size=8)
+    assert small[0] == pytest.approx(small[2]) and all(v < 0 for v in small)

@@ -58,8 +58,7 @@ def test_logs_to_active_mlflow_run(tiny_model_dir, rtn2_dir, texts, tmp_path):
     import mlflow
 
     previous = mlflow.get_tracking_uri()
-    # A file store: no database migrations to wait for (a sqlite store costs ~10-20 s to create).
-    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     try:
         report = fidelity_report(tiny_model_dir, {"rtn2": rtn2_dir}, texts, log_to_mlflow=False)
         assert report.log_to_mlflow() is False  # no active run: nothing logged, no error

@@ -1,0 +1,109 @@
+"""`deploy snapshot`: registry URI → download → verify → serve, and refusal of a tampered snapshot."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+DEPLOY = [sys.executable, "-m", "serving.deploy"]
+
+
+@pytest.fixture()
+def registered(micro_base_dir: Path, tmp_path: Path) -> tuple[str, Path]:
+    """The micro model bundled and registered as `micro@champion` in a fresh sqlite MLflow store."""
+    from artifacts.manifest import Lineage
+    from artifacts.registry import register_bundle
+    from artifacts.writer import BundleConfig, write_bundle
+
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    bundle = write_bundle(micro_base_dir, tmp_path / "bundle", BundleConfig(name="micro", max_shard_size="100KB"),
+                          Lineage(base_model="embedded:micro"))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the run's default artifact root (./mlruns) lands in the temp dir
+    try:
+        register_bundle(bundle, "micro", tracking_uri=tracking_uri, aliases=("champion",))
+    finally:
+        os.chdir(cwd)
+    return tracking_uri, bundle
+
+
+def deploy(*args: str, cwd: Path, **kwargs) -> subprocess.CompletedProcess:
+    env = os.environ | {"LIFECYCLE_HOME": str(cwd / "home")}
+    return subprocess.run([*DEPLOY, "snapshot", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env=env, **kwargs)
+
+
+def test_dry_run_resolves_alias_and_verifies(registered, tmp_path: Path) -> None:
+    tracking_uri, _ = registered
+    result = deploy("models:/micro@champion", "--tracking-uri", tracking_uri, "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("verified micro ")
+    downloaded = list((tmp_path / "home" / "deployments" / "micro").iterdir())
+    assert len(downloaded) == 1 and (downloaded[0] / "manifest.json").is_file()
+
+
+def test_tampered_bundle_is_refused_with_one_line(registered, tmp_path: Path) -> None:
+    _, bundle = registered
+    shard = sorted(bundle.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = deploy(str(bundle), "--dry-run", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and shard.name in lines[0]
+
+
+def test_unknown_alias_and_bad_source_are_one_line(registered, tmp_path: Path) -> None:
+    tracking_uri, _ = registered
+    missing = deploy("models:/micro@nope", "--tracking-uri", tracking_uri, "--dry-run", cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "nope" in missing.stderr
+    bad = deploy(str(tmp_path / "absent"), "--dry-run", cwd=tmp_path)
+    assert bad.returncode == 2 and "neither a bundle directory nor a models:/ URI" in bad.stderr
+
+
+@pytest.mark.slow
+def test_deploy_serves_the_registered_snapshot_and_tags_it(registered, tmp_path: Path) -> None:
+    from mlflow import MlflowClient
+
+    tracking_uri, _ = registered
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = os.environ | {"LIFECYCLE_HOME": str(tmp_path / "home")}
+    server = subprocess.Popen([*DEPLOY, "snapshot", "models:/micro@champion", "--tracking-uri", tracking_uri,
+                               "--port", str(port), "--kv-memory", "16MiB", "--threads", "1"],
+                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("server never became ready")
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            "model": "micro", "messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 8})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+        version = MlflowClient(tracking_uri=tracking_uri).get_model_version_by_alias("micro", "champion")
+        assert version.tags["lifecycle.deployed_endpoint"] == f"http://127.0.0.1:{port}"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    assert server.returncode == 0
