@@ -32,7 +32,7 @@ from artifacts.tokenizer_files import (
     tokenizer_files,
     tokenizer_vocab_size,
 )
-from artifacts.writer import generation_defaults
+from artifacts.writer import generation_defaults, math_bytes
 
 _NOT_IN_SNAPSHOT = {MANIFEST_FILE, EVAL_RECORD_FILE}
 
@@ -44,6 +44,8 @@ def _fail(file: str, reason: str) -> BundleVerificationError:
 def _json(bundle: Path, name: str) -> Any:
     try:
         return json.loads((bundle / name).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _fail(name, "missing") from None
     except json.JSONDecodeError as exc:
         raise _fail(name, f"not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     except UnicodeDecodeError as exc:
@@ -91,6 +93,10 @@ def _check_index(bundle: Path, manifest: Manifest) -> dict[str, str]:
             raise _fail(INDEX_FILE, f"weight_map lacks tensor {tensor} (manifest: {shard})")
     for shard in sorted(shards - set(weight_map.values())):
         raise _fail(shard, "shard holds no tensor of the weight_map")
+    declared = (index.get("metadata") or {}).get("total_size")
+    planned_bytes = sum(math_bytes(t.dtype, t.shape) for t in manifest.shard_plan.tensors.values())
+    if declared is not None and declared != planned_bytes:
+        raise _fail(INDEX_FILE, f"metadata.total_size {declared} differs from the tensors' {planned_bytes} bytes")
     return weight_map
 
 

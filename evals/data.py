@@ -28,27 +28,30 @@ def read_jsonl(path: Path, required: dict[str, type | tuple[type, ...]],
     and pass ``check`` (which returns a reason string for a bad record, None for a good one)."""
     if not path.is_file():
         raise EvalError(f"{path}: data file not found (is the data dir the data stage's output?)")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON may hold U+2028
+    except UnicodeDecodeError as exc:
+        raise EvalError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     records: list[Record] = []
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvalError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(record, dict):
-                raise EvalError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            for name, kind in required.items():
-                if name not in record:
-                    raise EvalError(f"{path}:{lineno}: missing field {name!r}")
-                if not isinstance(record[name], kind):
-                    raise EvalError(f"{path}:{lineno}: field {name!r} has the wrong type "
-                                    f"({type(record[name]).__name__})")
-            reason = check(record) if check else None
-            if reason:
-                raise EvalError(f"{path}:{lineno}: {reason}")
-            records.append(record)
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EvalError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(record, dict):
+            raise EvalError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        for name, kind in required.items():
+            if name not in record:
+                raise EvalError(f"{path}:{lineno}: missing field {name!r}")
+            if not isinstance(record[name], kind):
+                raise EvalError(f"{path}:{lineno}: field {name!r} has the wrong type "
+                                f"({type(record[name]).__name__})")
+        reason = check(record) if check else None
+        if reason:
+            raise EvalError(f"{path}:{lineno}: {reason}")
+        records.append(record)
     if not records:
         raise EvalError(f"{path}: no records")
     return records

@@ -144,9 +144,11 @@ def quantize_stage(ctx: PipelineContext, model: StageOutput, data: StageOutput) 
         from quantize.pipeline import run_quantization
 
         result = run_quantization(config, Path(model.path), Path(data.path), out_dir / "models")
-        outputs = {method: str(path) for method, path in result.outputs.items()}
-        (out_dir / "fidelity.md").write_text(result.report.to_markdown())
-        return result.report.metrics(), {
+        # RTN is the comparison baseline, not a shipping format: only the recipe's methods get bundled.
+        outputs = {method: str(result.outputs[method]) for method in config.methods}
+        metrics = {f"{row.name}/{field}": float(getattr(row, field)) for row in result.report.rows
+                   for field in ("kl_mean", "perplexity", "top1_agreement")}
+        return metrics, {
             "outputs": outputs,
             "calibration_digest": result.calibration_digest,
             "fidelity_table": result.report.to_markdown(),

@@ -1,6 +1,6 @@
 """Calibration sets for GPTQ/AWQ: training-distribution text, tokenized into fixed-length windows.
 
-The texts are packed (each text framed by bos/eos, concatenated) and cut into windows of
+The texts are packed (each text framed by bos/eos unless it already is, concatenated) and cut into windows of
 `seq_len` tokens, so short chat records still give full-length samples as GPTQ's Hessian estimate
 wants. The digest covers the exact token ids fed to the quantizer, so two runs with equal digests
 calibrated on identical input; it is recorded in the result and the bundle manifest.
@@ -87,8 +87,13 @@ def build_calibration_set(source: Path, tokenizer: Any, num_samples: int, seq_le
     budget = num_samples * seq_len
     stream: list[int] = []
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        stream.extend(([bos] if bos is not None else []) + list(ids) + ([eos] if eos is not None else []))
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        # Data-stage texts may already start with the literal bos (chat-rendered records): never double it.
+        if bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        if eos is not None and ids[-1:] != [eos]:
+            ids.append(eos)
+        stream.extend(ids)
         if len(stream) >= budget:
             break
     windows = [stream[i : i + seq_len] for i in range(0, min(len(stream), budget), seq_len)]

@@ -7,8 +7,9 @@ called before any heavy work so a bad recipe fails in milliseconds, not after ca
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from quantize.errors import QuantizeError
 
@@ -41,12 +42,12 @@ class QuantizeConfig:
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods: duplicates in {self.methods}")
         if not isinstance(self.bits, int) or isinstance(self.bits, bool):
-            raise ValueError(f"bits: must be an integer, got {self.bits!r}")
+            raise ValueError(f"bits: must be an integer, got {self.bits!r}")  # noqa: TRY004 (contract: ValueError)
         for method in self.methods:
             if self.bits not in SUPPORTED_BITS[method]:
                 raise ValueError(f"bits: {method} supports {list(SUPPORTED_BITS[method])}, got {self.bits}")
         if not isinstance(self.group_size, int) or isinstance(self.group_size, bool):
-            raise ValueError(f"group_size: must be an integer, got {self.group_size!r}")
+            raise ValueError(f"group_size: must be an integer, got {self.group_size!r}")  # noqa: TRY004
         if self.group_size != -1 and (self.group_size < 8 or self.group_size & (self.group_size - 1)):
             raise ValueError(f"group_size: must be -1 (per channel) or a power of two >= 8, got {self.group_size}")
         for name in ("calibration_samples", "fidelity_samples"):

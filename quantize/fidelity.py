@@ -15,9 +15,10 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -50,6 +51,7 @@ class FidelityReport:
     num_tokens: int
     texts_digest: str
     extra: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # printed under the markdown table
 
     def row(self, name: str) -> FidelityRow:
         for row in self.rows:
@@ -85,6 +87,8 @@ class FidelityReport:
             if timed:
                 line += f" {r.quantize_seconds:.1f} |" if r.quantize_seconds is not None else " - |"
             lines.append(line)
+        if self.notes:
+            lines += ["", *(f"- {note}" for note in self.notes)]
         return "\n".join(lines) + "\n"
 
     def log_to_mlflow(self, prefix: str = "fidelity") -> bool:

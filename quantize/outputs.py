@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 # Files a quantizer does not own but a loader needs: copied verbatim from the full-precision dir so
 # the chat template, special tokens and eos ids are exactly the source's.
@@ -35,6 +35,7 @@ def staged_dir(out_dir: Path) -> Iterator[Path]:
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only; the renamed model dir should read like any other
     try:
         yield tmp
     except BaseException:

@@ -62,12 +62,14 @@ def run_quantization(
     Calibration text is `data_dir/calibration.jsonl` unless `calibration_file` (a user's JSONL of
     {"text"}) is given; fidelity is measured on `data_dir/text_heldout.jsonl`.
     """
-    from quantize.awq import quantize_awq
-    from quantize.gptq import quantize_gptq
-    from transformers import AutoTokenizer
-
     model_dir, data_dir, out_root = Path(model_dir), Path(data_dir), Path(out_root)
     check_model_compat(config, _read_model_config(model_dir), source=str(model_dir / "config.json"))
+    # Heavy imports only after the cheap checks, so a bad recipe fails at once.
+    from transformers import AutoTokenizer
+
+    from quantize.awq import quantize_awq
+    from quantize.gptq import quantize_gptq
+
     texts = load_texts(data_dir / HELDOUT_TEXT_FILE, limit=config.fidelity_samples)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     calibration = build_calibration_set(
@@ -92,6 +94,13 @@ def run_quantization(
     for row in report.rows:
         row.quantize_seconds = seconds.get(row.name)
     report.extra = {"calibration_digest": calibration.digest, "calibration_windows": len(calibration.input_ids)}
+    report.notes = [
+        (
+            f"{config.bits}-bit, group size {config.group_size}; calibration: {len(calibration.input_ids)} windows "
+            f"of <= {calibration.seq_len} tokens ({calibration.num_tokens} tokens, digest {calibration.digest[:12]})"
+        ),
+        "rtn = round-to-nearest baseline on the same grid, stored fake-quantized in fp32 (its size is the fp32 size)",
+    ]
     report.log_to_mlflow()
     _log_params(config, calibration.digest)
 

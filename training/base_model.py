@@ -32,10 +32,12 @@ RECIPE_FILE = "recipe.json"
 PRESETS: dict[str, dict[str, object]] = {
     "micro": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192,
                   steps=100, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=10,
-                  chats_per_task=300, facts_per_task=100, safety_repeats=1, plain_sentences=200),
-    "default": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=768,
-                    steps=2000, batch_size=32, seq_len=128, lr=2e-3, warmup_steps=100,
-                    chats_per_task=5000, facts_per_task=1000, safety_repeats=4, plain_sentences=2000),
+                  chats_per_task=300, facts_per_task=100, first_task_repeats=1, safety_repeats=1,
+                  plain_sentences=200),
+    "default": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=512,
+                    steps=500, batch_size=16, seq_len=128, lr=2e-3, warmup_steps=30,
+                    chats_per_task=5000, facts_per_task=1000, first_task_repeats=2, safety_repeats=4,
+                    plain_sentences=2000),
 }
 
 
@@ -69,6 +71,7 @@ class BaseModelConfig:
     weight_decay: float = 0.01
     chats_per_task: Optional[int] = None
     facts_per_task: Optional[int] = None
+    first_task_repeats: Optional[int] = None
     safety_repeats: Optional[int] = None
     plain_sentences: Optional[int] = None
     tasks: list[str] = field(default_factory=lambda: ["addition", "reverse"])
@@ -86,6 +89,11 @@ class BaseModelConfig:
                      "steps", "batch_size", "seq_len", "max_position_embeddings", "vocab_size"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        for name in ("chats_per_task", "facts_per_task", "safety_repeats", "plain_sentences"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.first_task_repeats < 1:
+            raise ValueError(f"first_task_repeats: must be >= 1, got {self.first_task_repeats}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
         if self.num_heads % self.num_kv_heads:
@@ -113,7 +121,8 @@ class BaseModelConfig:
 
     def corpus_spec(self) -> CorpusSpec:
         return CorpusSpec(tasks=tuple(self.tasks), chats_per_task=self.chats_per_task,
-                          facts_per_task=self.facts_per_task, safety_repeats=self.safety_repeats,
+                          facts_per_task=self.facts_per_task,
+                          first_task_repeats=self.first_task_repeats, safety_repeats=self.safety_repeats,
                           plain_sentences=self.plain_sentences, seed=self.seed)
 
 

@@ -33,6 +33,7 @@ class CorpusSpec:
     tasks: tuple[str, ...] = ("addition", "reverse")
     chats_per_task: int = 300
     facts_per_task: int = 100
+    first_task_repeats: int = 1  # the first task (the one GRPO trains) gets a larger share of the stream
     safety_repeats: int = 2
     plain_sentences: int = 200
     system_prompt_share: float = 0.1
@@ -67,9 +68,10 @@ def build_corpus(spec: CorpusSpec) -> list[str]:
     """The documents, shuffled; each starts with ``<s>`` and ends with ``</s>``."""
     rng = random.Random(spec.seed)
     docs: list[str] = []
-    for task in spec.tasks:
-        for ex in generate_examples(task, "train", spec.chats_per_task, seed=spec.seed):
-            docs.append(_chat(rng, ex.prompt, ex.reply, spec.system_prompt_share))
+    for index, task in enumerate(spec.tasks):
+        chats = generate_examples(task, "train", spec.chats_per_task, seed=spec.seed)
+        for _ in range(spec.first_task_repeats if index == 0 else 1):
+            docs += [_chat(rng, ex.prompt, ex.reply, spec.system_prompt_share) for ex in chats]
         for ex in generate_examples(task, "train", spec.facts_per_task, seed=spec.seed + 1):
             docs.append(f"{BOS}{task_fact(ex)}{EOS}")
     for _ in range(spec.safety_repeats):

@@ -5,7 +5,7 @@ first, then the prefill chunks, with ``position_ids`` giving each token's positi
 sequence. For every layer this function
 1. scatters the new K/V into the preallocated cache with one ``index_copy_`` over the slot mapping;
 2. runs all decode queries in one SDPA call over each sequence's K/V gathered into a padded tensor
-   (block-table gather, a key-padding mask), grouping query heads per KV head for GQA;
+   (whole-block ``index_select`` by block table, a key-padding mask), grouping query heads per KV head for GQA;
 3. runs each prefill chunk with SDPA: causal over its own K/V when nothing is cached before it,
    else over its gathered context with an offset-causal mask.
 All index tensors are built once per step (``AttentionMetadata``) and shared by every layer.
@@ -26,8 +26,8 @@ ATTN_IMPLEMENTATION = "llm_lifecycle_paged"
 class PrefillChunk:
     start: int  # first row in the flattened batch
     end: int
-    ctx_slots: Optional[torch.Tensor] = None  # [ctx] cache slots of the whole context, None if fresh
-    mask: Optional[torch.Tensor] = None  # [n, ctx] bool, True = attend
+    ctx_blocks: Optional[torch.Tensor] = None  # [nblk] block ids of the whole context, None if fresh
+    mask: Optional[torch.Tensor] = None  # [n, nblk * block_size] bool, True = attend
 
 
 @dataclass
@@ -36,8 +36,9 @@ class AttentionMetadata:
     v_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T]
     num_decode: int = 0
-    decode_slots: Optional[torch.Tensor] = None  # [B, Lmax]
-    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, Lmax] bool
+    block_size: int = 16
+    decode_blocks: Optional[torch.Tensor] = None  # [B * nblk] block ids, row-major (padded with block 0)
+    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, nblk * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -62,10 +63,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     group = num_heads // kv_heads
     out = torch.empty_like(q)
 
+    # whole-block gathers: one contiguous row (block_size * KVH * D values) per block id
+    kb = kc.view(-1, meta.block_size * kv_heads * head_dim)
+    vb = vc.view(-1, meta.block_size * kv_heads * head_dim)
     nd = meta.num_decode
     if nd:
-        kd = kc[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        vd = vc[meta.decode_slots].transpose(1, 2)
+        kd = kb.index_select(0, meta.decode_blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        vd = vb.index_select(0, meta.decode_blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
         qd = q[:nd].reshape(nd, kv_heads, group, head_dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
@@ -73,13 +77,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     gqa = group > 1
     for p in meta.prefills:
         qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if p.ctx_slots is None:
+        if p.ctx_blocks is None:
             kp = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
             vp = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
-            kp = kc[p.ctx_slots].transpose(0, 1).unsqueeze(0)
-            vp = vc[p.ctx_slots].transpose(0, 1).unsqueeze(0)
+            kp = kb.index_select(0, p.ctx_blocks).view(-1, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+            vp = vb.index_select(0, p.ctx_blocks).view(-1, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scaling, enable_gqa=gqa)
         out[p.start:p.end] = op[0].transpose(0, 1)
     return out.unsqueeze(0), None

@@ -135,31 +135,25 @@ class ModelRunner:
                 prefill_specs.append((row0, row0 + n, start, table))
         dev = self.device
         meta = AttentionMetadata(self.k_caches, self.v_caches,
-                                 torch.tensor(slots, dtype=torch.long, device=dev), num_decode=num_decode)
+                                 torch.tensor(slots, dtype=torch.long, device=dev), num_decode=num_decode,
+                                 block_size=bs)
         if num_decode:
-            lmax = max(decode_lens)
-            nblk = -(-lmax // bs)
-            tab = torch.zeros(num_decode, nblk, dtype=torch.long)
-            for i, t in enumerate(decode_tables):
-                k = min(len(t), nblk)
-                tab[i, :k] = torch.tensor(t[:k], dtype=torch.long)
-            offs = torch.arange(nblk * bs)
-            dslots = (tab[:, offs // bs] * bs + offs % bs)[:, :lmax]
+            nblk = -(-max(decode_lens) // bs)
+            tab = [t[:nblk] + [0] * (nblk - min(len(t), nblk)) for t in decode_tables]
+            meta.decode_blocks = torch.tensor(tab, dtype=torch.long).flatten().to(dev)
             lens = torch.tensor(decode_lens)
-            meta.decode_slots = dslots.to(dev)
-            meta.decode_mask = (torch.arange(lmax)[None, :] < lens[:, None]).view(num_decode, 1, 1, lmax).to(dev)
+            meta.decode_mask = (torch.arange(nblk * bs)[None, :] < lens[:, None]).view(
+                num_decode, 1, 1, nblk * bs).to(dev)
         for row0, row1, start, table in prefill_specs:
             if start == 0:
                 meta.prefills.append(PrefillChunk(row0, row1))
                 continue
-            n = row1 - row0
-            ctx = start + n
-            p = torch.arange(ctx)
-            t = torch.tensor(table, dtype=torch.long)
-            ctx_slots = (t[p // bs] * bs + p % bs).to(dev)
+            ctx = start + (row1 - row0)
+            nblk = -(-ctx // bs)
+            blocks = torch.tensor(table[:nblk], dtype=torch.long, device=dev)
             qpos = torch.arange(start, ctx)
-            mask = (p[None, :] <= qpos[:, None]).to(dev)
-            meta.prefills.append(PrefillChunk(row0, row1, ctx_slots, mask))
+            mask = (torch.arange(nblk * bs)[None, :] <= qpos[:, None]).to(dev)
+            meta.prefills.append(PrefillChunk(row0, row1, blocks, mask))
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         positions = torch.tensor([pos], dtype=torch.long, device=dev)
         return input_ids, positions, meta

@@ -167,3 +167,10 @@ def test_errors_survive_pickling_with_their_fields():
     assert (error.file, error.reason, str(error)) == ("config.json", "bad value", "config.json: bad value")
     tp_error = pickle.loads(pickle.dumps(TPDegreeError("tp degree 3: x", tensor="w")))
     assert (str(tp_error), tp_error.tensor) == ("tp degree 3: x", "w")
+
+
+def test_file_dropped_from_disk_and_manifest(bundle, refresh_manifest):
+    """An attacker who removes config.json and its manifest entry still gets a one-line refusal."""
+    (bundle / "config.json").unlink()
+    refresh_manifest(bundle, lambda m: m.update(files=[f for f in m["files"] if f["path"] != "config.json"]))
+    _refused(bundle, "^config.json: missing")

@@ -25,6 +25,15 @@ def test_read_jsonl_errors_name_file_line_and_field(tmp_path):
     path.write_text("\n")
     with pytest.raises(EvalError, match="no records"):
         read_jsonl(path, {"id": str})
+    path.write_bytes(b'{"id": "\xff"}\n')
+    with pytest.raises(EvalError, match="tasks_heldout.jsonl: not UTF-8"):
+        read_jsonl(path, {"id": str})
+
+
+def test_line_separator_characters_inside_strings_are_kept(tmp_path):
+    path = tmp_path / "text_heldout.jsonl"
+    path.write_text('{"text": "a\u2028b"}\n{"text": "c"}\n', encoding="utf-8")
+    assert [r["text"] for r in read_jsonl(path, {"text": str})] == ["a\u2028b", "c"]
 
 
 def test_messages_check_reports_the_line(tmp_path):

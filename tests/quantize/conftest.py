@@ -77,6 +77,5 @@ def tiny_data_dir(tmp_path_factory) -> Path:
     rng = random.Random(0)
     for name, n in (("calibration.jsonl", 64), ("text_heldout.jsonl", 16)):
         with open(out / name, "w") as handle:
-            for text in _sentences(rng, n):
-                handle.write(json.dumps({"text": text}) + "\n")
+            handle.writelines(json.dumps({"text": text}) + "\n" for text in _sentences(rng, n))
     return out

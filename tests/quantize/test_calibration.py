@@ -47,3 +47,12 @@ def test_bad_records_name_file_and_line(tmp_path):
 
 def test_limit(tiny_data_dir):
     assert len(load_texts(tiny_data_dir / "text_heldout.jsonl", limit=5)) == 5
+
+
+def test_bos_not_doubled_on_chat_rendered_text(tmp_path, tokenizer):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"text": "<s><|user|>\nhi<|end|>\n"}) + "\n" + json.dumps({"text": "plain"}) + "\n")
+    stream = build_calibration_set(path, tokenizer, num_samples=1, seq_len=64).input_ids[0]
+    bos = tokenizer.bos_token_id
+    assert stream[0] == bos and stream[1] != bos
+    assert stream.count(bos) == 2  # one per text

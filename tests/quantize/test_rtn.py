@@ -32,7 +32,7 @@ def test_exact_on_representable_weights():
     q[..., 0], q[..., 1] = 0, maxq  # every group spans the full grid, so the fitted grid is the same
     w = ((q - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).reshape(16, 4 * g)
     assert torch.equal(fake_quantize(w, bits, g, sym=False), w)
-    q2, scale2, zero2 = rtn_quantize(w, bits, g, sym=False)
+    _, scale2, zero2 = rtn_quantize(w, bits, g, sym=False)
     assert torch.equal(scale2, scale) and torch.equal(zero2, zero)
 
 
