@@ -27,10 +27,16 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
 
+    from flows.preflight import preflight
+
     recipe = load_recipe(args.recipe)  # validate before paying for Prefect's start-up
+    preflight(recipe)
     workdir = resolve_workdir(recipe.workdir)
     prepare_environment(workdir)
+    from flows import quiet_logs
     from flows.lifecycle import lifecycle
+
+    quiet_logs.install()
 
     started = time.perf_counter()
     result = lifecycle(recipe_path=str(Path(args.recipe).resolve()))

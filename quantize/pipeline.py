@@ -101,10 +101,9 @@ def run_quantization(
         ),
         "rtn = round-to-nearest baseline on the same grid, stored fake-quantized in fp32 (its size is the fp32 size)",
     ]
-    report.log_to_mlflow()
-    _log_params(config, calibration.digest)
-
     gate_passed = check_gate(config, report)
+    report.log_to_mlflow()
+    _log_run(config, calibration.digest, seconds, gate_passed)
     (out_root / "fidelity.md").write_text(report.to_markdown())
     (out_root / "fidelity.json").write_text(report.to_json())
     summary = {
@@ -130,13 +129,19 @@ def run_quantization(
     return QuantizeResult(outputs, report, calibration.digest, gate_passed, seconds)
 
 
-def _log_params(config: QuantizeConfig, calibration_digest: str) -> None:
+def _log_run(config: QuantizeConfig, calibration_digest: str, seconds: dict[str, float], gate_passed: bool) -> None:
+    """Recipe, calibration digest, timings and the gate verdict into the active MLflow run (one batch)."""
     import mlflow
-    from mlflow.entities import Param
+    from mlflow.entities import Metric, Param
 
     run = mlflow.active_run()
     if run is None:
         return
     params = {f"quantize.{k}": str(v) for k, v in asdict(config).items()}
     params["quantize.calibration_digest"] = calibration_digest
-    mlflow.MlflowClient().log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"quantize.seconds.{k}", v, now, 0) for k, v in seconds.items()]
+    metrics.append(Metric("quantize.gate_passed", float(gate_passed), now, 0))
+    mlflow.MlflowClient().log_batch(
+        run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in params.items()]
+    )

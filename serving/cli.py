@@ -10,7 +10,6 @@ import argparse
 import re
 import sys
 from pathlib import Path
-from typing import Optional
 
 from artifacts.errors import LifecycleError
 
@@ -90,7 +89,7 @@ def register_cli(subparsers) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="serving")
     sub = parser.add_subparsers(dest="command", required=True)
     register_cli(sub)

@@ -13,9 +13,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -23,7 +24,16 @@ from tqdm.auto import tqdm
 from artifacts.digests import digest_json
 from artifacts.errors import LifecycleError
 from training.corpus import CorpusSpec, build_corpus
-from training.tokenizer import CHAT_TEMPLATE, END, EOS, end_token_ids, train_tokenizer
+from training.tokenizer import (
+    ASSISTANT,
+    CHAT_TEMPLATE,
+    END,
+    EOS,
+    SYSTEM,
+    USER,
+    end_token_ids,
+    train_tokenizer,
+)
 
 RECIPE_VERSION = 1  # bump when the corpus or training code changes what a recipe produces
 PRETRAIN_LOG = "pretrain_log.json"
@@ -49,34 +59,34 @@ class BaseModelError(LifecycleError):
 class BaseModelConfig:
     """Recipe of the embedded base model. ``None`` fields take the preset's value.
 
-    ``threads`` (0 = leave torch's setting) and ``device`` ("auto" = CUDA when available) change speed,
+    ``threads`` and ``device`` ("auto" = CUDA when available) change speed,
     not the recipe, so they are not part of the cache digest.
     """
 
     preset: str = "default"
-    hidden_size: Optional[int] = None
-    num_layers: Optional[int] = None
-    num_heads: Optional[int] = None
-    num_kv_heads: Optional[int] = None
-    intermediate_size: Optional[int] = None
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    intermediate_size: int | None = None
     max_position_embeddings: int = 256
     vocab_size: int = 512
     tie_embeddings: bool = True
-    steps: Optional[int] = None
-    batch_size: Optional[int] = None
-    seq_len: Optional[int] = None
-    lr: Optional[float] = None
+    steps: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
     min_lr_ratio: float = 0.1
-    warmup_steps: Optional[int] = None
+    warmup_steps: int | None = None
     weight_decay: float = 0.01
-    chats_per_task: Optional[int] = None
-    facts_per_task: Optional[int] = None
-    first_task_repeats: Optional[int] = None
-    safety_repeats: Optional[int] = None
-    plain_sentences: Optional[int] = None
+    chats_per_task: int | None = None
+    facts_per_task: int | None = None
+    first_task_repeats: int | None = None
+    safety_repeats: int | None = None
+    plain_sentences: int | None = None
     tasks: list[str] = field(default_factory=lambda: ["addition", "reverse"])
     seed: int = 0
-    threads: int = 0
+    threads: int = 1  # measured: 1 torch thread beat 2 on the shared 2-core host (0 = leave torch's choice)
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -112,7 +122,8 @@ class BaseModelConfig:
 
     def recipe(self) -> dict[str, object]:
         """Everything that changes the trained weights (what the cache key is made of)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("preset", "threads", "device")}
+        speed_only = ("preset", "threads", "device")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in speed_only}
         out["recipe_version"] = RECIPE_VERSION
         return out
 
@@ -136,9 +147,10 @@ class BaseModelBuild:
 
 
 def default_cache_root() -> Path:
+    """``<workdir>/models/base``, the same place the flow's base stage caches into."""
     home = os.environ.get("LIFECYCLE_HOME")
     root = Path(home) if home else Path(__file__).resolve().parents[1] / ".lifecycle"
-    return root / "base_models"
+    return root / "models" / "base"
 
 
 def build_base_model(config: BaseModelConfig, cache_root: Path | str | None = None) -> Path:
@@ -232,16 +244,20 @@ def _train_into(config: BaseModelConfig, out_dir: Path) -> None:
 
 
 def save_hf_tokenizer(tokenizer, out_dir: Path) -> None:
-    """Save, then also put the chat template in tokenizer_config.json (the contract's place for it)."""
+    """Save, then make tokenizer_config.json portable: the chat template inside it (the contract's place;
+    transformers 5 otherwise writes only chat_template.jinja) and class/special-token keys that older
+    transformers, vLLM and llama.cpp's converter read too."""
     tokenizer.save_pretrained(str(out_dir))
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["additional_special_tokens"] = [SYSTEM, USER, ASSISTANT, END]
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
 
 def _pretrain(model, stream: torch.Tensor, config: BaseModelConfig, device: torch.device,
-              on_log: Optional[Callable[[int, Any], None]] = None) -> dict:
+              on_log: Callable[[int, Any], None] | None = None) -> dict:
     """Plain-torch next-token training on random windows of the packed token stream.
 
     ``on_log(step, model)`` runs at every log point (recipe tuning scripts probe accuracy there).
@@ -301,7 +317,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def resolve_base_model(source: str, cache_root: Path | str | None = None,
-                       config: Optional[BaseModelConfig] = None) -> Path:
+                       config: BaseModelConfig | None = None) -> Path:
     """``"embedded"`` (or ``"embedded:<preset>"``) builds/reuses the embedded model; otherwise ``source``
     must be a local Hugging Face causal-LM directory (nothing is downloaded)."""
     if source == "embedded" or source.startswith("embedded:"):

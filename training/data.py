@@ -13,9 +13,10 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 from artifacts.digests import digest_json, sha256_file
 from training.corpus import plain_sentence, task_fact
@@ -57,9 +58,9 @@ class DataConfig:
     text_heldout: int = 200
     calibration: int = 128
     seed: int = 0
-    sft_path: Optional[str] = None
-    preference_path: Optional[str] = None
-    grpo_path: Optional[str] = None
+    sft_path: str | None = None
+    preference_path: str | None = None
+    grpo_path: str | None = None
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -98,7 +99,7 @@ class DataManifest:
         return out
 
     @classmethod
-    def load(cls, data_dir: Path | str) -> "DataManifest":
+    def load(cls, data_dir: Path | str) -> DataManifest:
         raw = json.loads((Path(data_dir) / MANIFEST).read_text())
         return cls(path=Path(data_dir), **raw)
 
@@ -158,7 +159,7 @@ def grpo_record(example: TaskExample) -> dict[str, Any]:
     return {"prompt": _user(example.prompt), "answer": example.answer, "task": example.task}
 
 
-# --- the stage -----------------------------------------------------------------------------------------------
+# --- the stage ---------------------------------------------------------------------------------------------
 
 def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
     """Generate (or load) every dataset, check held-out disjointness, write ``out_dir`` atomically."""
@@ -172,7 +173,8 @@ def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
     pref_tasks: list[TaskExample] = []
     grpo_tasks: list[TaskExample] = []
     for task in config.tasks:
-        pool = generate_examples(task, "heldout", config.heldout_per_task + config.pref_heldout_per_task, seed)
+        n_heldout = config.heldout_per_task + config.pref_heldout_per_task
+        pool = generate_examples(task, "heldout", n_heldout, seed)
         heldout[task] = pool[:config.heldout_per_task]
         pref_heldout_tasks += pool[config.heldout_per_task:]
         sft_tasks += generate_examples(task, "train", config.sft_per_task, seed)
@@ -218,7 +220,8 @@ def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
 
     records["calibration.jsonl"] = [{"text": render_chat(r["messages"])}
                                     for r in records["sft_train.jsonl"][:config.calibration]]
-    records["text_heldout.jsonl"] = _heldout_text(config, set(r["text"] for r in records["calibration.jsonl"]))
+    calibration_texts = {r["text"] for r in records["calibration.jsonl"]}
+    records["text_heldout.jsonl"] = _heldout_text(config, calibration_texts)
 
     manifest = _write(out_dir, records, config, dropped)
     return manifest
@@ -229,7 +232,8 @@ def _heldout_text(config: DataConfig, exclude: set[str]) -> list[dict[str, str]]
     rng = random.Random(f"text-heldout-{config.seed}")
     facts: list[str] = []
     for task in config.tasks:
-        facts += [task_fact(ex) for ex in generate_examples(task, "heldout", config.text_heldout, config.seed + 3)]
+        examples = generate_examples(task, "heldout", config.text_heldout, config.seed + 3)
+        facts += [task_fact(ex) for ex in examples]
     rng.shuffle(facts)
     out = []
     for i in range(config.text_heldout):
@@ -241,8 +245,7 @@ def _heldout_text(config: DataConfig, exclude: set[str]) -> list[dict[str, str]]
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def _write(out_dir: Path, records: dict[str, list[dict[str, Any]]], config: DataConfig,

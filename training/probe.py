@@ -56,7 +56,7 @@ def probe_model(model, tokenizer, task: str = "addition", n: int = 200, seed: in
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
-        for ex, row in zip(batch, out[:, inputs["input_ids"].shape[1]:].tolist()):
+        for ex, row in zip(batch, out[:, inputs["input_ids"].shape[1]:].tolist(), strict=True):
             stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
             reply = tokenizer.decode(row[:stop] if stop is not None else row, skip_special_tokens=True)
             ok = check_answer(ex, reply)

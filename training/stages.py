@@ -162,8 +162,10 @@ def _log_mlflow(spec: StageSpec, config: Any, result: StageResult, data_digests:
         return
     params = {f"{spec.name}.{k}": v for k, v in _flatten(config.to_dict()).items()}
     params.update({f"data.{name}.sha256": digest for name, digest in data_digests.items()})
-    params["output_dir"] = str(result.output_dir)
-    params["adapter_dir"] = str(result.adapter_dir)
+    # Stage-prefixed keys: the flow logs its own `output_dir` param into the same run, and MLflow params are
+    # write-once, so an unprefixed key would clash.
+    params[f"{spec.name}.output_dir"] = str(result.output_dir)
+    params[f"{spec.name}.adapter_dir"] = str(result.adapter_dir)
     now = int(time.time() * 1000)
     metrics = []
     for row in result.log_history:
@@ -179,8 +181,8 @@ def _log_mlflow(spec: StageSpec, config: Any, result: StageResult, data_digests:
         client.log_batch(run.info.run_id, params=param_list[i:i + 90])
     for i in range(0, len(metrics), 900):
         client.log_batch(run.info.run_id, metrics=metrics[i:i + 900])
-    client.set_tag(run.info.run_id, "stage", spec.name)
-    client.set_tag(run.info.run_id, "output_dir", str(result.output_dir))
+    client.set_tag(run.info.run_id, "training.stage", spec.name)
+    client.set_tag(run.info.run_id, "training.output_dir", str(result.output_dir))
     for path in artifacts:
         if path.exists():
             client.log_artifact(run.info.run_id, str(path))

@@ -9,8 +9,8 @@ spaces and punctuation (``" + "``, ``"?"``), and the byte-level alphabet means a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast

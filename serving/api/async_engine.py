@@ -11,10 +11,9 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Optional
 
-from serving.engine import EngineDrainingError, LLMEngine, RequestOutput, SamplingParams
 from serving.api.metrics import ServerMetrics
+from serving.engine import EngineDrainingError, LLMEngine, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +23,15 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Optional[ServerMetrics] = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self._queues: dict[str, asyncio.Queue] = {}
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stop = False
         self.draining = False
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
 
     # ----------------------------------------------------------------- lifecycle

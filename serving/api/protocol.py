@@ -6,7 +6,7 @@ repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...) are accepted to
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,54 +18,54 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     n: int = 1
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    seed: Optional[int] = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    user: Optional[str] = None
+    user: str | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
     echo: bool = False
-    logprobs: Optional[int] = None
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    content: str | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[int | str] = None) -> dict[str, Any]:
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: int | str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

@@ -15,10 +15,11 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -28,15 +29,22 @@ from pydantic import ValidationError
 from serving.api.async_engine import AsyncEngine, EngineDeadError
 from serving.api.metrics import ServerMetrics
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from serving.engine import (EngineConfig, EngineDrainingError, InvalidRequestError, LLMEngine, QueueFullError,
-                            RequestOutput, SamplingParams)
+from serving.engine import (
+    EngineConfig,
+    EngineDrainingError,
+    InvalidRequestError,
+    LLMEngine,
+    QueueFullError,
+    RequestOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
@@ -55,7 +63,7 @@ class ServerState:
 
 
 # ----------------------------------------------------------------------------- request → engine
-def _sampling(req: Any, max_tokens: Optional[int], logprobs: Optional[int], prompt_logprobs: Optional[int],
+def _sampling(req: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
               choice: int) -> SamplingParams:
     seed = req.seed + choice if req.seed is not None else None
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
@@ -70,7 +78,7 @@ def _sampling(req: Any, max_tokens: Optional[int], logprobs: Optional[int], prom
         skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
 
 
-def _finite(v: Optional[float]) -> Optional[float]:
+def _finite(v: float | None) -> float | None:
     """JSON has no -inf: clamp like OpenAI servers do."""
     if v is None:
         return None
@@ -87,7 +95,7 @@ class _Handler:
             return str(tid)
         return self.tok.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def check_model(self, name: Optional[str]) -> None:
+    def check_model(self, name: str | None) -> None:
         if name is not None and name != self.s.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "not_found_error", "model")
 
@@ -150,8 +158,8 @@ async def _json_body(request: Request) -> Any:
 class _Factory:
     """Builds SamplingParams per choice; ``n`` choices become n engine requests."""
 
-    def __init__(self, req: Any, max_tokens: Optional[int], logprobs: Optional[int],
-                 prompt_logprobs: Optional[int]) -> None:
+    def __init__(self, req: Any, max_tokens: int | None, logprobs: int | None,
+                 prompt_logprobs: int | None) -> None:
         if not (1 <= req.n <= 16):
             raise APIError(400, f"n: must be in [1, 16], got {req.n}", param="n")
         self.req, self.n = req, req.n
@@ -166,7 +174,7 @@ class _Factory:
 
 
 # ----------------------------------------------------------------------------- completions
-def _completion_logprobs(h: _Handler, token_ids: list[int], recs: list[Optional[dict[int, float]]],
+def _completion_logprobs(h: _Handler, token_ids: list[int], recs: list[dict[int, float] | None],
                          text_offset0: int) -> dict[str, Any]:
     tokens, token_lps, tops, offsets = [], [], [], []
     off = text_offset0
@@ -232,7 +240,7 @@ async def _gather(h: _Handler, state: ServerState, request: Request,
     tasks = [asyncio.ensure_future(one(q)) for _, _, q in subs]
     try:
         while True:
-            done, pending = await asyncio.wait(tasks, timeout=0.5)
+            _, pending = await asyncio.wait(tasks, timeout=0.5)
             if not pending:
                 return [t.result() for t in tasks]
             if await request.is_disconnected():
@@ -342,8 +350,8 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def _chat_logprobs(h: _Handler, token_ids: list[int], recs: Optional[list[dict[int, float]]],
-                   top: int) -> Optional[dict[str, Any]]:
+def _chat_logprobs(h: _Handler, token_ids: list[int], recs: list[dict[int, float]] | None,
+                   top: int) -> dict[str, Any] | None:
     if recs is None:
         return None
     content = []
@@ -492,24 +500,29 @@ async def _warmup(state: ServerState) -> None:
 
 
 # ----------------------------------------------------------------------------- process entry
-def load_engine(model_dir: str | Path, engine_config: Optional[EngineConfig] = None) -> LLMEngine:
-    """Verify a bundle (when it is one) and load the engine."""
+def load_engine(model_dir: str | Path, engine_config: Optional[EngineConfig] = None,
+                verify: bool = True) -> LLMEngine:
+    """Verify a bundle (a directory with manifest.json) in full, then load the engine.
+
+    A bundle that fails verification raises the bundle engineer's BundleVerificationError and is
+    never served. Plain HF model directories (no manifest.json) load directly.
+    """
     path = Path(model_dir)
-    if (path / "manifest.json").is_file():
-        try:
-            from artifacts.verify import verify_bundle
-        except ImportError:
-            log.warning("artifacts.verify is not available; serving %s unverified", path)
-        else:
-            verify_bundle(path)
+    if verify and (path / "manifest.json").is_file():
+        from artifacts.verify import verify_bundle  # lazy: serving plain dirs needs no artifacts stack
+
+        verify_bundle(path)
     return LLMEngine.from_pretrained(path, engine_config or EngineConfig())
 
 
 def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
-               engine_config: Optional[EngineConfig] = None, served_model_name: Optional[str] = None,
-               drain_timeout_s: float = 30.0, log_level: str = "info") -> None:
-    """Load, verify, warm up and serve until SIGTERM/SIGINT; SIGTERM drains in-flight requests first."""
-    engine = load_engine(model_dir, engine_config)
+               engine_config: EngineConfig | None = None, served_model_name: str | None = None,
+               drain_timeout_s: float = 30.0, log_level: str = "info", verify: bool = True) -> None:
+    """Load, verify, warm up and serve until SIGTERM/SIGINT; SIGTERM drains in-flight requests first.
+
+    /ready answers 200 only once loading, verification and the warm-up generation are done.
+    """
+    engine = load_engine(model_dir, engine_config, verify=verify)
     name = served_model_name or Path(model_dir).name
     app = build_app(engine, name)
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False),

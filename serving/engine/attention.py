@@ -14,7 +14,6 @@ All index tensors are built once per step (``AttentionMetadata``) and shared by 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +25,8 @@ ATTN_IMPLEMENTATION = "llm_lifecycle_paged"
 class PrefillChunk:
     start: int  # first row in the flattened batch
     end: int
-    ctx_blocks: Optional[torch.Tensor] = None  # [nblk] block ids of the whole context, None if fresh
-    mask: Optional[torch.Tensor] = None  # [n, nblk * block_size] bool, True = attend
+    ctx_blocks: torch.Tensor | None = None  # [nblk] block ids of the whole context, None if fresh
+    mask: torch.Tensor | None = None  # [n, nblk * block_size] bool, True = attend
 
 
 @dataclass
@@ -37,32 +36,21 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
     num_decode: int = 0
     block_size: int = 16
-    decode_blocks: Optional[torch.Tensor] = None  # [B * nblk] block ids, row-major (padded with block 0)
-    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, nblk * block_size] bool
+    decode_blocks: torch.Tensor | None = None  # [B * nblk] block ids, row-major (padded with block 0)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, nblk * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                            scaling: Optional[float] = None, dropout: float = 0.0,
-                            paged_metadata: Optional[AttentionMetadata] = None,
-                            **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention over the paged KV cache; shapes follow the HF interface ([1, heads, T, head_dim])."""
-    meta = paged_metadata
-    if meta is None:
-        raise RuntimeError("paged attention called without paged_metadata (use the engine's ModelRunner)")
-    layer = module.layer_idx
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata,
+                    scaling: Optional[float]) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (after rotary) → attention output [T, H, D]; writes k/v to the cache."""
     kc, vc = meta.k_caches[layer], meta.v_caches[layer]
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)  # [T, KVH, D]
-    v = value[0].transpose(0, 1)
     kc.index_copy_(0, meta.slot_mapping, k)
     vc.index_copy_(0, meta.slot_mapping, v)
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
     out = torch.empty_like(q)
-
     # whole-block gathers: one contiguous row (block_size * KVH * D values) per block id
     kb = kc.view(-1, meta.block_size * kv_heads * head_dim)
     vb = vc.view(-1, meta.block_size * kv_heads * head_dim)
@@ -70,7 +58,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if nd:
         kd = kb.index_select(0, meta.decode_blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
         vd = vb.index_select(0, meta.decode_blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-        qd = q[:nd].reshape(nd, kv_heads, group, head_dim)
+        qd = q[:nd].reshape(nd, kv_heads, group, head_dim)  # query heads grouped under their KV head
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
 
@@ -86,6 +74,19 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             vp = vb.index_select(0, p.ctx_blocks).view(-1, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scaling, enable_gqa=gqa)
         out[p.start:p.end] = op[0].transpose(0, 1)
+    return out
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                            scaling: Optional[float] = None, dropout: float = 0.0,
+                            paged_metadata: Optional[AttentionMetadata] = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """The transformers attention-interface entry: shapes [1, heads, T, head_dim] in, [1, T, H, D] out."""
+    if paged_metadata is None:
+        raise RuntimeError("paged attention called without paged_metadata (use the engine's ModelRunner)")
+    out = paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                          module.layer_idx, paged_metadata, scaling)
     return out.unsqueeze(0), None
 
 

@@ -1,4 +1,5 @@
 """Engine configuration: one dataclass, mapped 1:1 from YAML by the lead's loader."""
+# ruff: noqa: UP045 (the YAML loader contract spells optional fields Optional[...])
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class EngineConfig:
     device: str = "auto"
     threads: Optional[int] = None
     seed: int = 0
+    # "auto": compact Llama forward when the checkpoint allows it, else HF; "hf" / "compact" force one
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -47,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.model_impl not in ("auto", "hf", "compact"):
+            raise ValueError(f"model_impl: must be 'auto', 'hf' or 'compact', got {self.model_impl!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
         if not self.enable_chunked_prefill and self.max_model_len is not None \

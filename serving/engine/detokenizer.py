@@ -9,14 +9,14 @@ string is never streamed, even partly; on a match the text is cut before it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 # how many prompt tokens seed the window, so the first output token decodes with its real context
 _PROMPT_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: Optional[list[str]] = None,
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None = None,
                  skip_special_tokens: bool = True, include_stop_str_in_output: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -28,13 +28,13 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""  # full output text so far (cut at a stop string once found)
         self.emitted = 0  # characters of ``text`` already handed to the caller
-        self.stopped_on: Optional[str] = None
+        self.stopped_on: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
-    def add_token(self, token_id: int) -> Optional[str]:
+    def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string if the text now contains one (text is cut)."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
             return None
         start = max(0, len(self.text) - self.holdback)
         self.text += new
-        best: Optional[tuple[int, str]] = None
+        best: tuple[int, str] | None = None
         for s in self.stop:
             j = self.text.find(s, start)
             if j != -1 and (best is None or j < best[0]):

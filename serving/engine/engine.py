@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any, Optional, Sequence as Seq
+from typing import Any
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
@@ -60,7 +61,7 @@ class LLMEngine:
         self.num_steps = 0
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, config: Optional[EngineConfig] = None) -> "LLMEngine":
+    def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:
         from transformers import AutoTokenizer
 
         config = config or EngineConfig()
@@ -105,8 +106,8 @@ class LLMEngine:
             params = replace(params, max_tokens=mt)
         return params
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams] = None,
-                    priority: int = 0, arrival_time: Optional[float] = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
         """Queue a request (thread-safe). Raises InvalidRequestError or QueueFullError (→ 400 / 429)."""
         params = self.validate(list(prompt_token_ids), params or SamplingParams())
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
@@ -155,8 +156,8 @@ class LLMEngine:
             outs.append(self._finish(seq))
         return outs
 
-    def _finish(self, seq: Sequence, new_ids: Optional[list[int]] = None,
-                new_lp: Optional[list] = None) -> RequestOutput:
+    def _finish(self, seq: Sequence, new_ids: list[int] | None = None,
+                new_lp: list | None = None) -> RequestOutput:
         self.scheduler.remove(seq)
         self.requests_finished_total += 1
         out = self._output(seq, new_ids or [], new_lp, finished=True)
@@ -166,7 +167,7 @@ class LLMEngine:
             self._ids_in_use.discard(seq.request_id)
         return out
 
-    def _output(self, seq: Sequence, new_ids: list[int], new_lp: Optional[list], finished: bool) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int], new_lp: list | None, finished: bool) -> RequestOutput:
         detok = self.detoks.get(seq.request_id)
         text = detok.text if detok else ""
         delta = detok.delta(finished) if detok else ""

@@ -10,10 +10,8 @@ to the rows that need logits, and hand those logits back.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -39,7 +37,7 @@ class StepLogits:
     """Logits the sampler needs from one forward pass."""
 
     sample_rows: list[int]  # index into ``scheduled`` of sequences that sample a token now
-    sample_logits: Optional[torch.Tensor]  # [len(sample_rows), V]
+    sample_logits: torch.Tensor | None  # [len(sample_rows), V]
     # (index into scheduled, first prompt position predicted, logits [n, V]) for prompt logprobs
     prompt_logits: list[tuple[int, int, torch.Tensor]]
 
@@ -52,6 +50,7 @@ class ModelRunner:
             torch.set_num_threads(config.threads)
         self.dtype = self._resolve_dtype(model_dir)
         self.model = self._load(model_dir)
+        self.compact = self._maybe_compact()
         hf = self.model.config
         text_cfg = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         self.num_layers = text_cfg.num_hidden_layers
@@ -90,6 +89,21 @@ class ModelRunner:
         model.eval()
         model.requires_grad_(False)
         return model
+
+    def _maybe_compact(self):
+        """The compact forward when the config allows it and the checkpoint supports it (see compact_llama)."""
+        from serving.engine.compact_llama import CompactLlama, unsupported_reason
+
+        if self.config.model_impl == "hf":
+            return None
+        why = unsupported_reason(self.model)
+        if why is not None:
+            if self.config.model_impl == "compact":
+                raise ModelLoadError(f"model_impl: compact path unavailable for this model: {why}")
+            log.info("using the HF model forward (%s)", why)
+            return None
+        cfg = self.model.config
+        return CompactLlama(self.model, getattr(cfg, "max_position_embeddings", 2048))
 
     def _num_blocks(self) -> int:
         if self.config.num_blocks is not None:
@@ -187,9 +201,12 @@ class ModelRunner:
         if not keep:
             keep = [0]
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                         logits_to_keep=keep_t, paged_metadata=meta)
-        logits = out.logits[0].float()
+        if self.compact is not None:
+            logits = self.compact(input_ids[0], positions[0], meta, keep_t).float()
+        else:
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                             logits_to_keep=keep_t, paged_metadata=meta)
+            logits = out.logits[0].float()
         sample_logits = logits[n_prompt_rows:] if sample_rows else None
         prompt_logits = [(i, first, logits[lo:hi]) for i, first, lo, hi in prompt_spans]
         return StepLogits(sample_rows, sample_logits, prompt_logits)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
@@ -11,9 +10,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: Optional[list[dict[int, float]]] = None
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
-    stop_reason: Optional[int | str] = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -26,12 +25,12 @@ class RequestOutput:
     finished: bool
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: Optional[list[dict[int, float]]] = None
-    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    delta_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
-    first_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def text(self) -> str:
@@ -42,7 +41,7 @@ class RequestOutput:
         return self.outputs[0].token_ids
 
     @property
-    def finish_reason(self) -> Optional[str]:
+    def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
 
 

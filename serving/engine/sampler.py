@@ -8,7 +8,6 @@ Logprobs are those of the model's raw distribution (before temperature and penal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -19,7 +18,7 @@ from serving.engine.sequence import Sequence
 class SampleResult:
     token_ids: list[int]
     # per row: {token_id: logprob} with the sampled token first, then the top-k; None if not asked
-    logprobs: list[Optional[dict[int, float]]]
+    logprobs: list[dict[int, float] | None]
 
 
 def _blocked_ids(seq: Sequence) -> list[int]:
@@ -125,8 +124,8 @@ class Sampler:
         return torch.where(greedy_t, argmax, sampled)
 
     @staticmethod
-    def _logprobs(raw: Optional[torch.Tensor], tokens: list[int],
-                  want: list[Optional[int]]) -> list[Optional[dict[int, float]]]:
+    def _logprobs(raw: torch.Tensor | None, tokens: list[int],
+                  want: list[int | None]) -> list[dict[int, float] | None]:
         if raw is None:
             return [None] * len(tokens)
         kmax = max(k for k in want if k is not None)
@@ -134,7 +133,7 @@ class Sampler:
         top_vals, top_ids = (raw.topk(kmax, dim=-1) if kmax > 0 else (None, None))
         tv = top_vals.tolist() if top_vals is not None else None
         ti = top_ids.tolist() if top_ids is not None else None
-        out: list[Optional[dict[int, float]]] = []
+        out: list[dict[int, float] | None] = []
         for i, k in enumerate(want):
             if k is None:
                 out.append(None)

@@ -123,8 +123,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.bm.admit(seq)
             n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget:
-                n = budget  # only reachable with chunking (can_admit checked the unchunked case)
+            n = min(n, budget)  # only reachable with chunking (can_admit checked the unchunked case)
             if not self.bm.ensure_slots(seq, n):  # cannot happen after can_admit; be safe anyway
                 self.bm.free_seq(seq)
                 self.waiting.append(seq)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from serving.engine.sampling_params import SamplingParams
 
@@ -39,15 +38,15 @@ class Sequence:
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     cancelled: bool = False
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[int | str] = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     num_preemptions: int = 0
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
     # logprob records: one dict {token_id: logprob} per output token (sampled token first)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # prompt_logprobs[i] is the record for prompt token i (None for the first one)
-    prompt_logprobs: list[Optional[dict[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # per-sequence torch.Generator when a seed is given (created by the sampler on first use)
     generator: object = None
 

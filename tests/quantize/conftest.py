@@ -79,3 +79,26 @@ def tiny_data_dir(tmp_path_factory) -> Path:
         with open(out / name, "w") as handle:
             handle.writelines(json.dumps({"text": text}) + "\n" for text in _sentences(rng, n))
     return out
+
+
+@pytest.fixture(scope="session")
+def _mlflow_db(tmp_path_factory) -> str:
+    """One sqlite tracking store per session: creating its tables costs ~10-20 s, so pay it once."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    mlflow.MlflowClient(tracking_uri=uri).search_experiments()
+    return uri
+
+
+@pytest.fixture
+def mlflow_tracking(_mlflow_db):
+    """Point MLflow at the session's store for one test, then restore the previous URI."""
+    import mlflow
+
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(_mlflow_db)
+    try:
+        yield mlflow.MlflowClient()
+    finally:
+        mlflow.set_tracking_uri(previous)

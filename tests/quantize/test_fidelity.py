@@ -54,24 +54,18 @@ def test_bad_inputs(tiny_model_dir, tmp_path, texts):
         fidelity_report(tiny_model_dir, {"nothing": tmp_path}, texts, log_to_mlflow=False)
 
 
-def test_logs_to_active_mlflow_run(tiny_model_dir, rtn2_dir, texts, tmp_path):
+def test_logs_to_active_mlflow_run(tiny_model_dir, rtn2_dir, texts, mlflow_tracking):
     import mlflow
 
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
-    try:
-        report = fidelity_report(tiny_model_dir, {"rtn2": rtn2_dir}, texts, log_to_mlflow=False)
-        assert report.log_to_mlflow() is False  # no active run: nothing logged, no error
-        with mlflow.start_run() as run:
-            assert report.log_to_mlflow() is True
-        client = mlflow.MlflowClient()
-        metrics = client.get_run(run.info.run_id).data.metrics
-        assert metrics["fidelity.rtn2.kl_mean"] == pytest.approx(report.row("rtn2").kl_mean)
-        assert metrics["fidelity.reference.top1_agreement"] == 1.0
-        names = {a.path for a in client.list_artifacts(run.info.run_id, "quantize")}
-        assert names == {"quantize/fidelity.md", "quantize/fidelity.json"}
-    finally:
-        mlflow.set_tracking_uri(previous)
+    report = fidelity_report(tiny_model_dir, {"rtn2": rtn2_dir}, texts, log_to_mlflow=False)
+    assert report.log_to_mlflow() is False  # no active run: nothing logged, no error
+    with mlflow.start_run() as run:
+        assert report.log_to_mlflow() is True
+    metrics = mlflow_tracking.get_run(run.info.run_id).data.metrics
+    assert metrics["fidelity.rtn2.kl_mean"] == pytest.approx(report.row("rtn2").kl_mean)
+    assert metrics["fidelity.reference.top1_agreement"] == 1.0
+    names = {a.path for a in mlflow_tracking.list_artifacts(run.info.run_id, "quantize")}
+    assert names == {"quantize/fidelity.md", "quantize/fidelity.json"}
 
 
 def _report(kls: dict[str, float]) -> FidelityReport:

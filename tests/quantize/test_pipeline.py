@@ -54,12 +54,18 @@ def test_gptq_and_awq_end_to_end(tiny_model_dir, tiny_data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_gptq_on_embedded_micro_model(micro_base_dir, micro_data_dir, tmp_path):
+def test_gptq_on_embedded_micro_model(micro_base_dir, micro_data_dir, tmp_path, mlflow_tracking):
+    import mlflow
     from transformers import AutoTokenizer
 
     cfg = QuantizeConfig(methods=["gptq"], group_size=32, calibration_samples=16, calibration_seq_len=64,
                          fidelity_samples=16)
-    result = run_quantization(cfg, micro_base_dir, micro_data_dir, tmp_path / "q")
+    with mlflow.start_run() as run:
+        result = run_quantization(cfg, micro_base_dir, micro_data_dir, tmp_path / "q")
+    data = mlflow_tracking.get_run(run.info.run_id).data
+    assert data.params["quantize.calibration_digest"] == result.calibration_digest
+    assert data.metrics["quantize.gate_passed"] == 1.0
+    assert data.metrics["fidelity.gptq.kl_mean"] == pytest.approx(result.report.row("gptq").kl_mean)
     _assert_quantized_dir(result.outputs["gptq"], micro_base_dir, "gptq", cfg)
     _load_and_generate(result.outputs["gptq"])
     # The recipe's gate: on a trained model GPTQ's error compensation beats plain rounding.

@@ -6,7 +6,6 @@ tokens, which the detokenizer tests need. Weights use a wide init so greedy argm
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -67,14 +67,14 @@ def client(server) -> OpenAI:
 
 def metric(base: str, name: str) -> float:
     text = httpx.get(f"{base}/metrics").text
-    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert m, f"{name} missing from /metrics"
     return float(m.group(1))
 
 
 # ----------------------------------------------------------------------------- happy paths (openai client)
 def test_health_ready_models(server, client):
-    base, engine = server
+    base, _ = server
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
     assert httpx.get(f"{base}/ready").status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -90,7 +90,7 @@ def test_completion_counts_usage(server, client):
 
 
 def test_streaming_equals_non_streaming(client):
-    kw = dict(model=MODEL, prompt="Question: what is 7+5?\nAnswer:", max_tokens=20, temperature=0)
+    kw = {"model": MODEL, "prompt": "Question: what is 7+5?\nAnswer:", "max_tokens": 20, "temperature": 0}
     full = client.completions.create(**kw).choices[0].text
     parts = [c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices]
     assert "".join(parts) == full and len(parts) > 1
@@ -111,7 +111,7 @@ def test_chat_completion_and_chat_stream(client):
 
 
 def test_stop_string_is_honoured_and_not_returned(client):
-    kw = dict(model=MODEL, prompt="Question: what is 7+5?\nAnswer:", max_tokens=24, temperature=0)
+    kw = {"model": MODEL, "prompt": "Question: what is 7+5?\nAnswer:", "max_tokens": 24, "temperature": 0}
     full = client.completions.create(**kw).choices[0].text
     stop = full.strip()[1:3] if len(full.strip()) >= 3 else full[:1]
     r = client.completions.create(stop=[stop], **kw)
@@ -204,14 +204,14 @@ def test_dropped_streams_free_their_kv_blocks(server):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
 
     async def drop_after_two_chunks():
-        async with httpx.AsyncClient(timeout=30) as c:
-            async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                n = 0
-                async for line in r.aiter_lines():
-                    n += line.startswith("data:")
-                    if n >= 2:
-                        break  # leaving the block closes the connection mid-stream
+        async with httpx.AsyncClient(timeout=30) as c, c.stream("POST", f"{base}/v1/completions",
+                                                                 json=body) as r:
+            assert r.status_code == 200
+            n = 0
+            async for line in r.aiter_lines():
+                n += line.startswith("data:")
+                if n >= 2:
+                    break  # leaving the block closes the connection mid-stream
 
     async def main():
         await asyncio.gather(*[drop_after_two_chunks() for _ in range(12)])

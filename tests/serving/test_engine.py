@@ -48,6 +48,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     ("preemption", EngineConfig(num_blocks=20, block_size=4, max_num_batched_tokens=24)),
     ("no-chunking", EngineConfig(num_blocks=256, block_size=8, max_num_batched_tokens=128,
                                  enable_chunked_prefill=False)),
+    ("hf-forward", EngineConfig(num_blocks=20, block_size=4, max_num_batched_tokens=24, model_impl="hf")),
+    ("compact-forward", EngineConfig(num_blocks=256, block_size=4, max_num_batched_tokens=24,
+                                     model_impl="compact")),
 ])
 def test_greedy_matches_hf_generate(tiny_model_dir, prompts, reference, name, cfg):
     engine = LLMEngine.from_pretrained(tiny_model_dir, cfg)

@@ -114,7 +114,8 @@ def test_priority_then_arrival_orders_admission():
 
 
 def test_engine_admission_rejects_unservable_and_overflowing_queues(tiny_model_dir):
-    from serving.engine import EngineConfig as EC, InvalidRequestError, LLMEngine, QueueFullError
+    from serving.engine import EngineConfig as EC
+    from serving.engine import InvalidRequestError, LLMEngine, QueueFullError
 
     eng = LLMEngine.from_pretrained(tiny_model_dir, EC(num_blocks=8, block_size=4, max_queue=2))
     with pytest.raises(InvalidRequestError, match="max_tokens"):  # 10 + 30 tokens cannot fit 32 slots

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,6 +52,23 @@ def test_bad_model_dir_is_one_line_error(tmp_path, capsys):
         engine_config_from_args(parser().parse_args(["serve", str(tmp_path), "--block-size", "3"]))
 
 
+def test_a_bundle_that_fails_verification_is_never_served(tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_model_dir, bundle)
+    (bundle / "manifest.json").write_text('{"name": "tampered"}')
+    assert main(["serve", str(bundle), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def _in_flight(base: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    return sum(float(m.group(1)) for m in re.finditer(
+        r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.MULTILINE))
+
+
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_then_exits(micro_base_dir):
     with socket.socket() as s:
@@ -83,7 +101,10 @@ def test_sigterm_drains_in_flight_then_exits(micro_base_dir):
         threads = [threading.Thread(target=stream, args=(out,)) for out in results]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while _in_flight(base) < 4:  # every stream has reached the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         assert httpx.get(f"{base}/ready").status_code == 503

@@ -73,7 +73,8 @@ def test_recipe_digest_tracks_weights_not_speed_knobs() -> None:
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"preset": "huge"}, "preset"), ({"preset": "micro", "num_heads": 3}, "num_heads"),
-    ({"preset": "micro", "num_kv_heads": 3}, "num_kv_heads"), ({"preset": "micro", "seq_len": 512}, "seq_len"),
+    ({"preset": "micro", "num_kv_heads": 3}, "num_kv_heads"),
+    ({"preset": "micro", "seq_len": 512}, "seq_len"),
     ({"preset": "micro", "lr": -1.0}, "lr"),
 ])
 def test_bad_config_names_the_field(kwargs: dict, field: str) -> None:
@@ -119,3 +120,25 @@ def test_probe_scores_greedy_replies(micro_base_dir: Path) -> None:
     result = probe_task(micro_base_dir, "addition", n=8, batch_size=8, max_new_tokens=6)
     assert result.n == 8 and 0.0 <= result.accuracy <= 1.0 and 0.0 <= result.format_rate <= 1.0
     assert result.samples and all(s["prompt"].startswith("What is ") for s in result.samples)
+
+
+def test_tokenizer_config_is_portable(micro_base_dir: Path) -> None:
+    cfg = json.loads((micro_base_dir / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert cfg["additional_special_tokens"] == ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    tokenizer = AutoTokenizer.from_pretrained(micro_base_dir)
+    assert "<|end|>" in tokenizer.all_special_tokens
+
+
+def test_corpus_holds_chat_text_but_no_heldout_problem() -> None:
+    from training.corpus import build_corpus
+    from training.tasks import generate_examples, safety_pool
+
+    spec = BaseModelConfig(preset="micro").corpus_spec()
+    docs = build_corpus(spec)
+    assert docs == build_corpus(spec)
+    text = "\n".join(docs)
+    assert "<|assistant|>\nAnswer: " in text and "<|system|>\n" in text and "I can't help with that." in text
+    heldout = [ex.prompt for ex in generate_examples("addition", "heldout", 1400)]
+    heldout += [ex.prompt for exs in safety_pool("heldout").values() for ex in exs]
+    assert not [p for p in heldout if f"\n{p}<|end|>" in text]

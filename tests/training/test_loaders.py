@@ -27,8 +27,8 @@ def test_loads_each_kind_and_normalizes_plain_strings(tmp_path: Path) -> None:
     assert pref == [{"prompt": [{"role": "user", "content": "q"}],
                      "chosen": [{"role": "assistant", "content": "a"}],
                      "rejected": [{"role": "assistant", "content": "b"}]}]
-    grpo = load_local_dataset(_jsonl(tmp_path / "g.jsonl", [{"prompt": "1+1?", "answer": 2, "task": "addition"}]),
-                              "grpo")
+    row = {"prompt": "1+1?", "answer": 2, "task": "addition"}
+    grpo = load_local_dataset(_jsonl(tmp_path / "g.jsonl", [row]), "grpo")
     assert grpo == [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2", "task": "addition"}]
 
 

@@ -57,7 +57,7 @@ def test_sft_trains_merges_logs_and_skips_when_finished(micro_base_dir, micro_da
     assert_generates(out)
 
     data = MlflowClient().get_run(run.info.run_id).data
-    assert data.params["sft.lora.r"] == "4" and data.params["output_dir"] == str(out)
+    assert data.params["sft.lora.r"] == "4" and data.params["sft.output_dir"] == str(out)
     assert "data.sft_train.jsonl.sha256" in data.params
     history = MlflowClient().get_metric_history(run.info.run_id, "train/loss")
     assert len(history) == len(losses)
