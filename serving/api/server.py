@@ -500,7 +500,7 @@ async def _warmup(state: ServerState) -> None:
 
 
 # ----------------------------------------------------------------------------- process entry
-def load_engine(model_dir: str | Path, engine_config: Optional[EngineConfig] = None,
+def load_engine(model_dir: str | Path, engine_config: EngineConfig | None = None,
                 verify: bool = True) -> LLMEngine:
     """Verify a bundle (a directory with manifest.json) in full, then load the engine.
 

@@ -42,7 +42,7 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata,
-                    scaling: Optional[float]) -> torch.Tensor:
+                    scaling: float | None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (after rotary) → attention output [T, H, D]; writes k/v to the cache."""
     kc, vc = meta.k_caches[layer], meta.v_caches[layer]
     kc.index_copy_(0, meta.slot_mapping, k)
@@ -78,9 +78,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                            scaling: Optional[float] = None, dropout: float = 0.0,
-                            paged_metadata: Optional[AttentionMetadata] = None,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0,
+                            paged_metadata: AttentionMetadata | None = None,
                             **kwargs) -> tuple[torch.Tensor, None]:
     """The transformers attention-interface entry: shapes [1, heads, T, head_dim] in, [1, T, H, D] out."""
     if paged_metadata is None:

@@ -11,7 +11,6 @@ with SiLU MLPs and no sliding window; everything else runs through the HF model 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,7 @@ from serving.engine.attention import AttentionMetadata, paged_attention
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
+def unsupported_reason(model: torch.nn.Module) -> str | None:
     """None when ``model`` can run compactly, else why not (logged, then the HF path is used)."""
     cfg = model.config
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -50,9 +49,9 @@ class _Layer:
     ln1: torch.Tensor
     eps1: float
     qkv_w: torch.Tensor
-    qkv_b: Optional[torch.Tensor]
+    qkv_b: torch.Tensor | None
     o_w: torch.Tensor
-    o_b: Optional[torch.Tensor]
+    o_b: torch.Tensor | None
     ln2: torch.Tensor
     eps2: float
     gate_up: torch.Tensor
@@ -102,8 +101,8 @@ class CompactLlama:
         self.kv_size = self.kv_heads * self.head_dim
 
     @staticmethod
-    def _share(p1: torch.nn.Linear, p2: torch.nn.Linear, p3: Optional[torch.nn.Linear], fused: torch.Tensor,
-               fused_bias: Optional[torch.Tensor]) -> None:
+    def _share(p1: torch.nn.Linear, p2: torch.nn.Linear, p3: torch.nn.Linear | None, fused: torch.Tensor,
+               fused_bias: torch.Tensor | None) -> None:
         """Point the HF projections at slices of the fused tensor, so weights are held once."""
         start = 0
         for mod in (p1, p2, p3):

@@ -45,8 +45,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_ids = eos_token_ids
-        self.max_model_len = min(config.max_model_len or runner.max_position, runner.max_position)
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # the context a request may use: the model's, the config's, and what the KV cache can hold at all
+        capacity = runner.num_blocks * config.block_size
+        self.max_model_len = min(config.max_model_len or runner.max_position, runner.max_position, capacity)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
@@ -94,10 +96,6 @@ class LLMEngine:
         if n + mt > self.max_model_len:
             raise InvalidRequestError(f"max_tokens: prompt ({n} tokens) + max_tokens ({mt}) exceeds the "
                                       f"maximum context length {self.max_model_len}")
-        capacity = self.block_manager.num_blocks * self.config.block_size
-        if n + mt > capacity:
-            raise InvalidRequestError(f"max_tokens: prompt + max_tokens = {n + mt} tokens exceeds the KV cache "
-                                      f"({capacity} tokens); lower max_tokens")
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             raise InvalidRequestError(f"prompt: {n} tokens exceeds max_num_batched_tokens "
                                       f"{self.config.max_num_batched_tokens} (chunked prefill is off)")

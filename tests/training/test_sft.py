@@ -36,6 +36,7 @@ def assert_generates(model_dir) -> None:
     assert out.shape[1] > ids["input_ids"].shape[1]
 
 
+@pytest.mark.slow
 def test_sft_trains_merges_logs_and_skips_when_finished(micro_base_dir, micro_data_dir, tmp_path):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     out = tmp_path / "sft"
