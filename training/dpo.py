@@ -34,7 +34,9 @@ def _to_rows(records: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
 def _build_trainer(ctx: StageContext):
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(**ctx.args, beta=ctx.config.beta, max_length=ctx.config.max_seq_len)
+    cfg: DPOStageConfig = ctx.config
+    losses = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, cfg.sft_weight]} if cfg.sft_weight else {}
+    args = DPOConfig(**ctx.args, beta=cfg.beta, max_length=cfg.max_seq_len, **losses)
     trainer = DPOTrainer(model=ctx.model, ref_model=None, args=args, train_dataset=ctx.dataset,
                          processing_class=ctx.tokenizer)
     keep_adapters_fp32(trainer.model, ctx.hw)

@@ -46,7 +46,7 @@ def _build_trainer(ctx: StageContext):
 
     cfg: GRPOStageConfig = ctx.config
     funcs, weights = build_reward_functions(cfg.correctness_weight, cfg.format_weight, cfg.length_penalty,
-                                            cfg.length_target_tokens, _eos_ids(ctx))
+                                            cfg.length_target_tokens, _eos_ids(ctx), cfg.partial_credit_weight)
     args = GRPOConfig(
         **{**ctx.args, "remove_unused_columns": False},  # the rewards read the `answer` and `task` columns
         num_generations=cfg.num_generations,
@@ -92,7 +92,8 @@ def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, label in [("reward", "total (weighted)"), ("rewards/correctness_reward/mean", "correctness"),
-                       ("rewards/format_reward/mean", "format")]:
+                       ("rewards/format_reward/mean", "format"),
+                       ("rewards/partial_credit_reward/mean", "partial credit")]:
         pts = [(row["step"], row[key]) for row in history if key in row and "step" in row]
         if pts:
             ax.plot(*zip(*pts), marker="o", markersize=2, label=label)

@@ -48,6 +48,28 @@ def correctness_reward(completions: Sequence[Any], answer: Sequence[str], task: 
     ]
 
 
+def _similarity(predicted: str | None, reference: str) -> float:
+    """Fraction of positions where the predicted answer has the reference's character (0 for no answer)."""
+    if predicted is None:
+        return 0.0
+    predicted, reference = predicted.strip().lower(), str(reference).strip().lower()
+    width = max(len(predicted), len(reference))
+    if width == 0:
+        return 0.0
+    return sum(a == b for a, b in zip(predicted, reference)) / width
+
+
+def partial_credit_reward(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
+    """Dense, still verifiable shaping: the share of answer characters in the right place.
+
+    Gives GRPO a gradient when a weak policy almost never gets a whole answer right (all-zero groups teach
+    nothing); exact correctness stays the main reward.
+    """
+    from training.tasks import parse_answer
+
+    return [_similarity(parse_answer(completion_text(c)), ref) for c, ref in zip(completions, answer)]
+
+
 def make_format_reward(eos_token_ids: Sequence[int]) -> Callable[..., list[float]]:
     """Reward 1.0 for exactly one `Answer: ...` line that ended on an eos id (not on the token limit)."""
     eos = set(int(i) for i in eos_token_ids)
@@ -81,7 +103,8 @@ def make_length_penalty(per_token: float, target_tokens: int) -> Callable[..., l
 
 
 def build_reward_functions(correctness_weight: float, format_weight: float, length_penalty: float,
-                           length_target_tokens: int, eos_token_ids: Sequence[int]
+                           length_target_tokens: int, eos_token_ids: Sequence[int],
+                           partial_credit_weight: float = 0.0
                            ) -> tuple[list[Callable[..., list[float]]], list[float]]:
     """The reward functions a GRPO recipe asks for and their weights (a zero weight drops the function)."""
     funcs: list[Callable[..., list[float]]] = []
@@ -89,6 +112,9 @@ def build_reward_functions(correctness_weight: float, format_weight: float, leng
     if correctness_weight > 0:
         funcs.append(correctness_reward)
         weights.append(correctness_weight)
+    if partial_credit_weight > 0:
+        funcs.append(partial_credit_reward)
+        weights.append(partial_credit_weight)
     if format_weight > 0:
         funcs.append(make_format_reward(eos_token_ids))
         weights.append(format_weight)
@@ -96,5 +122,6 @@ def build_reward_functions(correctness_weight: float, format_weight: float, leng
         funcs.append(make_length_penalty(length_penalty, length_target_tokens))
         weights.append(1.0)
     if not funcs:
-        raise ValueError("correctness_weight/format_weight/length_penalty: at least one reward must be on")
+        raise ValueError("correctness_weight/format_weight/partial_credit_weight/length_penalty: at least one "
+                         "reward must be on")
     return funcs, weights

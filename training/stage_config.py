@@ -99,10 +99,13 @@ class DPOStageConfig(_StageBase):
     learning_rate: float = 5e-4
     max_steps: int = 150
     beta: float = 0.1
+    sft_weight: float = 0.0  # weight of an NLL term on the chosen reply (RPO); keeps the learned format anchored
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive(self, "beta")
+        if self.sft_weight < 0:
+            raise ValueError(f"sft_weight: must be >= 0, got {self.sft_weight}")
 
 
 @dataclass
@@ -122,6 +125,7 @@ class GRPOStageConfig(_StageBase):
     temperature: float = 1.0
     correctness_weight: float = 1.0
     format_weight: float = 0.2
+    partial_credit_weight: float = 0.0  # dense shaping: share of answer characters in place (weak policies)
     length_penalty: float = 0.0  # reward −length_penalty per completion token beyond `length_target_tokens`
     length_target_tokens: int = 8
     num_iterations: int = 1
@@ -135,8 +139,9 @@ class GRPOStageConfig(_StageBase):
             raise ValueError(
                 f"batch_size: must be a multiple of num_generations ({self.num_generations}), got {self.batch_size}"
             )
-        if self.beta < 0 or self.length_penalty < 0 or self.correctness_weight < 0 or self.format_weight < 0:
-            raise ValueError("beta/length_penalty/correctness_weight/format_weight: must be >= 0")
+        for name in ("beta", "length_penalty", "correctness_weight", "format_weight", "partial_credit_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass

@@ -228,9 +228,17 @@ async def completions(state: ServerState, request: Request) -> Any:
     return await _full_completion(h, state, request, req, rid, created, subs, prompts_ids)
 
 
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client goes away (the body is already read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 async def _gather(h: _Handler, state: ServerState, request: Request,
                   subs: list[tuple[str, int, asyncio.Queue]]) -> list[RequestOutput]:
-    """Wait for every sub-request; a client that disconnects cancels them all."""
+    """Wait for every sub-request; a client that disconnects cancels them all at once."""
     async def one(q: asyncio.Queue) -> RequestOutput:
         while True:
             o = await h.next_output(q)
@@ -238,14 +246,17 @@ async def _gather(h: _Handler, state: ServerState, request: Request,
                 return o
 
     tasks = [asyncio.ensure_future(one(q)) for _, _, q in subs]
+    gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        while True:
-            _, pending = await asyncio.wait(tasks, timeout=0.5)
-            if not pending:
-                return [t.result() for t in tasks]
-            if await request.is_disconnected():
+        pending = set(tasks)
+        while pending:
+            done, _ = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
                 raise asyncio.CancelledError()
+            pending -= done
+        return [t.result() for t in tasks]
     finally:
+        gone.cancel()
         for t in tasks:
             t.cancel()
         for rid, _, _ in subs:

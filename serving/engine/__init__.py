@@ -1,4 +1,14 @@
-"""Continuous-batching inference engine with a paged KV cache (see DESIGN.md, "The engine")."""
+"""Continuous-batching inference engine with a paged KV cache (see DESIGN.md, "The engine").
+
+Importing this package before torch makes OpenMP worker threads wait passively: with the default
+(spinning) policy, two torch threads on a shared 2-core host made each small parallel kernel (the
+decode attention) take ~10 ms instead of ~0.03 ms. It only takes effect if torch is not loaded yet;
+set ``OMP_WAIT_POLICY=PASSIVE`` in the environment to be sure.
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine

@@ -31,7 +31,7 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
-    k_caches: list[torch.Tensor]  # per layer [num_slots, kv_heads, head_dim]
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
     v_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T]
     num_decode: int = 0
@@ -45,10 +45,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                     scaling: float | None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (after rotary) → attention output [T, H, D]; writes k/v to the cache."""
     kc, vc = meta.k_caches[layer], meta.v_caches[layer]
-    kc.index_copy_(0, meta.slot_mapping, k)
-    vc.index_copy_(0, meta.slot_mapping, v)
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
+    kc.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)  # slot = block * block_size + offset
+    vc.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     group = num_heads // kv_heads
     out = torch.empty_like(q)
     # whole-block gathers: one contiguous row (block_size * KVH * D values) per block id

@@ -61,11 +61,11 @@ class ModelRunner:
         self.max_position = getattr(text_cfg, "max_position_embeddings", 2048)
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
-        slots = self.num_blocks * self.block_size
         cache_dtype = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) \
             else torch.float32
-        self.k_caches = [torch.zeros(slots, self.kv_heads, self.head_dim, dtype=cache_dtype,
-                                     device=self.device) for _ in range(self.num_layers)]
+        # per layer [num_blocks, block_size, kv_heads, head_dim], preallocated once
+        self.k_caches = [torch.zeros(self.num_blocks, self.block_size, self.kv_heads, self.head_dim,
+                                     dtype=cache_dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
 
     # ----------------------------------------------------------------- loading

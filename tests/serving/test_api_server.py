@@ -72,6 +72,13 @@ def metric(base: str, name: str) -> float:
     return float(m.group(1))
 
 
+def aborted(base: str) -> float:
+    """Requests that ended cancelled (client gone), from the vLLM-style success counter."""
+    m = re.search(r'^vllm:request_success_total\{finished_reason="abort"[^}]*\} (\S+)$',
+                  httpx.get(f"{base}/metrics").text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
 # ----------------------------------------------------------------------------- happy paths (openai client)
 def test_health_ready_models(server, client):
     base, _ = server
@@ -216,12 +223,14 @@ def test_dropped_streams_free_their_kv_blocks(server):
     async def main():
         await asyncio.gather(*[drop_after_two_chunks() for _ in range(12)])
 
+    before = aborted(base)
     asyncio.run(main())
     deadline = time.monotonic() + 20
     while metric(base, "vllm:kv_cache_usage_perc") > 0 or metric(base, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "blocks of dropped streams were not freed"
         time.sleep(0.1)
     assert metric(base, "vllm:num_requests_waiting") == 0
+    assert aborted(base) - before >= 1
 
 
 @pytest.mark.slow
@@ -258,11 +267,14 @@ def test_hundred_concurrent_streams_complete_or_get_429(micro_base_dir):
 
 def test_non_streaming_client_disconnect_cancels(server):
     base, _ = server
+    before = aborted(base)
+    # 16 choices x 250 tokens: far more work than the 0.1 s the client waits
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 230, "ignore_eos": True},
-                   timeout=0.3)
+        httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 250, "ignore_eos": True,
+                                                   "n": 16}, timeout=0.1)
     deadline = time.monotonic() + 20
-    while metric(base, "vllm:num_requests_running") > 0:
+    while metric(base, "vllm:num_requests_running") > 0 or metric(base, "vllm:kv_cache_usage_perc") > 0:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    assert aborted(base) - before >= 1  # cancelled, not run to completion
     assert json.loads(httpx.get(f"{base}/health").text)["status"] == "ok"

@@ -32,6 +32,12 @@ def test_dpo_starts_at_its_reference_and_writes_a_full_model(micro_base_dir, mic
     assert saved["stage"] == "dpo" and saved["adapter_dir"].endswith("adapter")
 
 
+def test_sft_weight_adds_an_nll_term_on_the_chosen_reply(micro_base_dir, micro_data_dir, tmp_path):
+    result = run_dpo(tiny_dpo(max_steps=1, sft_weight=1.0), micro_base_dir, micro_data_dir, tmp_path / "dpo")
+    first = next(row for row in result.log_history if "loss" in row)
+    assert first["loss"] > math.log(2) + 0.05  # ln 2 from the preference term plus the chosen reply's NLL
+
+
 def test_preference_data_without_rejected_is_one_clear_error(micro_base_dir, tmp_path):
     record = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "x"}]}
     (tmp_path / "pref_train.jsonl").write_text(json.dumps(record) + "\n")
@@ -39,6 +45,8 @@ def test_preference_data_without_rejected_is_one_clear_error(micro_base_dir, tmp
         run_dpo(tiny_dpo(), micro_base_dir, tmp_path, tmp_path / "dpo")
 
 
-def test_dpo_config_rejects_non_positive_beta():
+def test_dpo_config_rejects_bad_values():
     with pytest.raises(ValueError, match="beta"):
         DPOStageConfig(beta=0)
+    with pytest.raises(ValueError, match="sft_weight"):
+        DPOStageConfig(sft_weight=-1.0)

@@ -10,6 +10,7 @@ from training.rewards import (
     extract_answer,
     make_format_reward,
     make_length_penalty,
+    partial_credit_reward,
 )
 
 EOS = [6, 1]
@@ -34,6 +35,11 @@ def test_correctness_uses_task_aware_comparison():
     assert correctness_reward(completions, answer=answers, task=tasks) == [1.0, 0.0, 0.0, 1.0, 0.0]
 
 
+def test_partial_credit_counts_characters_in_place():
+    completions = [chat("Answer: olleh"), chat("Answer: ollxh"), chat("Answer: ol"), chat("no answer")]
+    assert partial_credit_reward(completions, answer=["olleh"] * 4) == pytest.approx([1.0, 0.8, 0.4, 0.0])
+
+
 def test_format_reward_needs_one_line_and_an_eos_stop():
     reward = make_format_reward(EOS)
     completions = [chat("Answer: 5"), chat("Answer: 5"), chat("Sure, 5"), chat("Answer: 5\nmore")]
@@ -50,8 +56,9 @@ def test_length_penalty_counts_tokens_beyond_target():
 def test_build_reward_functions_drops_zero_weights():
     funcs, weights = build_reward_functions(1.0, 0.0, 0.0, 8, EOS)
     assert [f.__name__ for f in funcs] == ["correctness_reward"] and weights == [1.0]
-    funcs, weights = build_reward_functions(1.0, 0.5, 0.01, 8, EOS)
-    assert [f.__name__ for f in funcs] == ["correctness_reward", "format_reward", "length_penalty"]
-    assert weights == [1.0, 0.5, 1.0]
+    funcs, weights = build_reward_functions(1.0, 0.5, 0.01, 8, EOS, partial_credit_weight=0.3)
+    assert [f.__name__ for f in funcs] == ["correctness_reward", "partial_credit_reward", "format_reward",
+                                           "length_penalty"]
+    assert weights == [1.0, 0.3, 0.5, 1.0]
     with pytest.raises(ValueError, match="at least one reward"):
         build_reward_functions(0.0, 0.0, 0.0, 8, EOS)
