@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,8 +20,11 @@ EXPECTED_STAGES = {
 
 
 def run_lifecycle(recipe: Path, summary: Path) -> subprocess.CompletedProcess:
+    # The recipe's workdir holds the MLflow store unless MLFLOW_TRACKING_URI says otherwise; other tests
+    # (through mlflow.set_tracking_uri) may have left that variable set in this process.
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     return subprocess.run([*LIFECYCLE, "run", str(recipe), "--json-out", str(summary)], capture_output=True,
-                          text=True, timeout=1800, cwd=Path(__file__).resolve().parents[2])
+                          text=True, timeout=1800, cwd=Path(__file__).resolve().parents[2], env=env)
 
 
 @pytest.mark.slow
