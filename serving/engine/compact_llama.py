@@ -72,7 +72,8 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.packed = _onednn_ok(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if self.packed else weight
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if self.packed \
+            else weight
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,10 +112,11 @@ class CompactLlama:
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
             qkv_b = torch.cat(biases).contiguous() if all(b is not None for b in biases) else None
             L = _Layer(
                 ln1=layer.input_layernorm.weight, eps1=_eps(layer.input_layernorm),
-                qkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(), qkv_b),
+                qkv=Linear(qkv_w, qkv_b),
                 o=Linear(a.o_proj.weight, a.o_proj.bias),
                 ln2=layer.post_attention_layernorm.weight, eps2=_eps(layer.post_attention_layernorm),
                 gate_up=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous()),
