@@ -195,7 +195,7 @@ class Manifest:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise BundleVerificationError(MANIFEST_FILE, f"not valid JSON ({exc.msg} at line {exc.lineno})")
+            raise BundleVerificationError(MANIFEST_FILE, f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
         if not isinstance(data, dict):
             raise BundleVerificationError(MANIFEST_FILE, "not a JSON object")
         return cls.from_dict(data)

@@ -6,12 +6,12 @@ a bad line should stop the run with the file, line and field named instead.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from artifacts.jsonl import iter_jsonl
 from evals.errors import EvalError
 
 TASKS_FILE = "tasks_heldout.jsonl"
@@ -26,22 +26,8 @@ def read_jsonl(path: Path, required: dict[str, type | tuple[type, ...]],
                check: Callable[[Record], str | None] | None = None) -> list[Record]:
     """All records of ``path``; each must be a JSON object holding ``required`` fields of the given types
     and pass ``check`` (which returns a reason string for a bad record, None for a good one)."""
-    if not path.is_file():
-        raise EvalError(f"{path}: data file not found (is the data dir the data stage's output?)")
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON may hold U+2028
-    except UnicodeDecodeError as exc:
-        raise EvalError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     records: list[Record] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EvalError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
-        if not isinstance(record, dict):
-            raise EvalError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+    for lineno, record in iter_jsonl(path, EvalError, "data file not found (is the data dir the data stage's output?)"):
         for name, kind in required.items():
             if name not in record:
                 raise EvalError(f"{path}:{lineno}: missing field {name!r}")

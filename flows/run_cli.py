@@ -25,9 +25,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flows.recipe import load_recipe
-
     from flows.preflight import preflight
+    from flows.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)  # validate before paying for Prefect's start-up
     preflight(recipe)

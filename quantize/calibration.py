@@ -8,13 +8,13 @@ calibrated on identical input; it is recorded in the result and the bundle manif
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from artifacts.digests import digest_json, sha256_file
+from artifacts.jsonl import iter_jsonl
 from quantize.errors import QuantizeError
 
 log = logging.getLogger(__name__)
@@ -46,23 +46,15 @@ class CalibrationSet:
 def load_texts(path: Path, limit: int | None = None) -> list[str]:
     """Read `{"text": ...}` records from a JSONL file; bad lines raise QuantizeError naming file:line."""
     path = Path(path)
-    if not path.is_file():
-        raise QuantizeError(f"{path}: file not found (expected JSONL with one {{\"text\": ...}} per line)")
     texts: list[str] = []
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise QuantizeError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise QuantizeError(f"{path}:{lineno}: expected an object with a string field 'text'")
-            if record["text"].strip():
-                texts.append(record["text"])
-            if limit is not None and len(texts) >= limit:
-                break
+    hint = 'file not found (expected JSONL with one {"text": ...} per line)'
+    for lineno, record in iter_jsonl(path, QuantizeError, hint):
+        if not isinstance(record.get("text"), str):
+            raise QuantizeError(f"{path}:{lineno}: expected an object with a string field 'text'")
+        if record["text"].strip():
+            texts.append(record["text"])
+        if limit is not None and len(texts) >= limit:
+            break
     if not texts:
         raise QuantizeError(f"{path}: no non-empty 'text' records")
     return texts

@@ -208,7 +208,8 @@ def fidelity_report(
         stats = _compare(ref, ref, batches, device, "fidelity reference")
         ref_ppl, num_tokens = stats["ppl_ref"], stats["n"]
     rows.insert(0, FidelityRow(REFERENCE, str(reference_dir), 0.0, ref_ppl, 1.0, weights_size(Path(reference_dir))))
-    report = FidelityReport(rows=rows, num_texts=len(texts), num_tokens=num_tokens, texts_digest=digest_json(list(texts)))
+    report = FidelityReport(rows=rows, num_texts=len(texts), num_tokens=num_tokens,
+                            texts_digest=digest_json(list(texts)))
     if log_to_mlflow:
         report.log_to_mlflow()
     return report

@@ -73,8 +73,9 @@ def deploy_snapshot(args: argparse.Namespace) -> int:
 
 def _record_deployment(uri: str, tracking_uri: str, endpoint: str) -> None:
     """Tag the registry version so the MLflow UI shows where and since when it serves."""
-    from artifacts.registry import get_version
     from mlflow import MlflowClient
+
+    from artifacts.registry import get_version
 
     ref = get_version(uri, tracking_uri)
     client = MlflowClient(tracking_uri=tracking_uri)

@@ -10,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from training.stage_config import TrainingError
 from training.lora import keep_adapters_fp32
 from training.rewards import build_reward_functions
-from training.stage_config import GRPOStageConfig, StageResult
+from training.stage_config import GRPOStageConfig, StageResult, TrainingError
 from training.stages import EvalFn, StageContext, StageSpec, run_stage
 
 PLOT_NAME = "reward_curve.png"

@@ -9,9 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from training.stage_config import TrainingError
 from training.lora import keep_adapters_fp32
-from training.stage_config import SFTStageConfig, StageResult
+from training.stage_config import SFTStageConfig, StageResult, TrainingError
 from training.stages import EvalFn, StageContext, StageSpec, run_stage
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from artifacts.digests import sha256_file
+from artifacts.jsonl import iter_jsonl
 from training.checkpoints import (
     CHECKPOINTS_DIR,
     clear_stale_outputs,
@@ -68,25 +69,17 @@ class StageSpec:
 def load_records(data_dir: Path, spec: StageSpec, limit: int | None) -> tuple[list[dict[str, Any]], Path]:
     """Read the stage's JSONL file; a missing file or column is one TrainingError naming file and columns."""
     path = Path(data_dir) / spec.data_file
-    if not path.is_file():
-        raise TrainingError(f"{path}: {spec.name} needs this dataset file, and it does not exist")
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TrainingError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            missing = [c for c in spec.required_columns if c not in record]
-            if missing:
-                raise TrainingError(
-                    f"{path}:{lineno}: missing column(s) {missing}; {spec.name} needs {list(spec.required_columns)}"
-                )
-            records.append(record)
-            if limit is not None and len(records) >= limit:
-                break
+    hint = f"{spec.name} needs this dataset file, and it does not exist"
+    for lineno, record in iter_jsonl(path, TrainingError, hint):
+        missing = [c for c in spec.required_columns if c not in record]
+        if missing:
+            raise TrainingError(
+                f"{path}:{lineno}: missing column(s) {missing}; {spec.name} needs {list(spec.required_columns)}"
+            )
+        records.append(record)
+        if limit is not None and len(records) >= limit:
+            break
     if not records:
         raise TrainingError(f"{path}: no records; {spec.name} needs at least one")
     return records, path

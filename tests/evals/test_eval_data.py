@@ -20,7 +20,7 @@ def test_read_jsonl_errors_name_file_line_and_field(tmp_path):
     with pytest.raises(EvalError, match=r"tasks_heldout.jsonl:2: missing field 'id'"):
         read_jsonl(path, {"id": str})
     path.write_text('{"id": "a"}\n{not json\n')
-    with pytest.raises(EvalError, match=r"tasks_heldout.jsonl:2: invalid JSON"):
+    with pytest.raises(EvalError, match=r"tasks_heldout.jsonl:2: not valid JSON"):
         read_jsonl(path, {"id": str})
     path.write_text("\n")
     with pytest.raises(EvalError, match="no records"):

@@ -34,8 +34,10 @@ def test_greedy_is_argmax_per_row():
 
 def test_top_k_top_p_min_p_keep_the_expected_sets():
     x = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
-    kept = lambda y: torch.isfinite(y[0]).nonzero().flatten().tolist()
-    one = lambda v, t=torch.float32: torch.tensor([v], dtype=t)
+    def kept(y):
+        return torch.isfinite(y[0]).nonzero().flatten().tolist()
+    def one(v, t=torch.float32):
+        return torch.tensor([v], dtype=t)
     assert kept(apply_top_k_top_p_min_p(x, one(2, torch.long), one(1.0), one(0.0))) == [0, 1]
     assert kept(apply_top_k_top_p_min_p(x, one(0, torch.long), one(0.7), one(0.0))) == [0, 1]
     assert kept(apply_top_k_top_p_min_p(x, one(0, torch.long), one(0.76), one(0.0))) == [0, 1, 2]

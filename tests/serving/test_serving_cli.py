@@ -76,7 +76,8 @@ def test_sigterm_drains_in_flight_then_exits(micro_base_dir):
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", str(micro_base_dir), "--port", str(port),
-                             "--served-model-name", "micro", "--threads", "1", "--max-num-seqs", "1", "--log-level", "warning"],
+                             "--served-model-name", "micro", "--threads", "1", "--max-num-seqs", "1",
+                             "--log-level", "warning"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -8,8 +8,7 @@ import math
 import pytest
 
 from training.dpo import run_dpo
-from training.stage_config import TrainingError
-from training.stage_config import DPOStageConfig, LoraSettings
+from training.stage_config import DPOStageConfig, LoraSettings, TrainingError
 
 
 def tiny_dpo(**overrides) -> DPOStageConfig:

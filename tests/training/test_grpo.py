@@ -7,8 +7,7 @@ import json
 import pytest
 
 from training.grpo import PLOT_NAME, run_grpo
-from training.stage_config import TrainingError
-from training.stage_config import GRPOStageConfig, LoraSettings
+from training.stage_config import GRPOStageConfig, LoraSettings, TrainingError
 
 
 def tiny_grpo(**overrides) -> GRPOStageConfig:

@@ -13,9 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.checkpoints import MARKER_NAME
-from training.stage_config import TrainingError
 from training.sft import run_sft
-from training.stage_config import LoraSettings, SFTStageConfig
+from training.stage_config import LoraSettings, SFTStageConfig, TrainingError
 
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
