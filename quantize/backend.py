@@ -31,6 +31,17 @@ def prepare_env() -> None:
         os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
 
+def _keep_logs_beside(out_dir: Path) -> None:
+    """gptqmodel 7.6 writes per-layer logs to `./logs` of whatever directory the user stands in; send
+    them next to the output instead (a module constant, as there is no setting for it)."""
+    try:
+        from gptqmodel.looper import loop_processor
+    except ImportError:
+        return
+    if hasattr(loop_processor, "_PROJECT_LOG_DIR"):
+        loop_processor._PROJECT_LOG_DIR = out_dir.parent / f"{out_dir.name}-logs"
+
+
 def pick_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -48,6 +59,8 @@ def run_gptqmodel(
     prepare_env()
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.quantization.config import AWQConfig, GPTQConfig
+
+    _keep_logs_beside(Path(out_dir))
 
     device = pick_device()
     common: dict[str, Any] = {"bits": config.bits, "group_size": config.group_size, "offload_to_disk": False}
