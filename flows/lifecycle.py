@@ -146,9 +146,8 @@ def quantize_stage(ctx: PipelineContext, model: StageOutput, data: StageOutput) 
         result = run_quantization(config, Path(model.path), Path(data.path), out_dir / "models")
         # RTN is the comparison baseline, not a shipping format: only the recipe's methods get bundled.
         outputs = {method: str(result.outputs[method]) for method in config.methods}
-        metrics = {f"{row.name}/{field}": float(getattr(row, field)) for row in result.report.rows
-                   for field in ("kl_mean", "perplexity", "top1_agreement")}
-        return metrics, {
+        # The fidelity report has logged its own metrics (fidelity.<method>.kl_mean, ...) into this run.
+        return {}, {
             "outputs": outputs,
             "calibration_digest": result.calibration_digest,
             "fidelity_table": result.report.to_markdown(),
