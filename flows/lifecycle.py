@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-from prefect import flow, get_run_logger
+from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.environment import Workdir, resolve_workdir
@@ -232,7 +232,6 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
     _configure_threads(recipe.threads)
     mlflow.set_tracking_uri(workdir.tracking_uri())
     _use_experiment(recipe.name, workdir)
-    logger = get_run_logger()
     report = PipelineReport(recipe_name=recipe.name)
 
     with mlflow.start_run(run_name=f"{recipe.name}-pipeline") as parent:
@@ -249,7 +248,7 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
         model = base
         for name in ("sft", "dpo", "grpo"):
             if not getattr(recipe.training, name).enabled:
-                logger.info("stage %s disabled in the recipe", name)
+                console.print(f"[yellow]- {name}[/] disabled in the recipe", highlight=False)
                 continue
             model = training_stage(ctx, name, model, data)
             report.add_stage(model)
