@@ -93,11 +93,8 @@ def real_quantized_dirs(tmp_path_factory) -> dict[str, Path]:
 
     hidden 128 with 2 KV heads of 32 dims keeps every out-feature a multiple of 64 (AWQ's clip search);
     group size 32 divides every in-feature. Takes ~20-40 s on a busy 2-core machine."""
-    import importlib.util
     import json
 
-    if importlib.util.find_spec("gptqmodel") is None or importlib.util.find_spec("optimum") is None:
-        pytest.skip("gptqmodel and optimum are needed to make and load GPTQ/AWQ checkpoints")
     from transformers import AutoTokenizer
 
     from quantize.awq import quantize_awq
