@@ -4,8 +4,12 @@ The model sees one flattened "batch" of shape [1, T]: the decode tokens of every
 first, then the prefill chunks, with ``position_ids`` giving each token's position in its own
 sequence. For every layer this function
 1. scatters the new K/V into the preallocated cache with one ``index_copy_`` over the slot mapping;
-2. runs all decode queries in one SDPA call over each sequence's K/V gathered into a padded tensor
-   (whole-block ``index_select`` by block table, a key-padding mask), grouping query heads per KV head for GQA;
+2. runs the decode queries in a few SDPA calls, one per group of decodes with similar context length
+   (``bucket_by_length``), each over its sequences' K/V gathered into a padded tensor (whole-block
+   ``index_select`` by block table, a key-padding mask), grouping query heads per KV head for GQA.
+   One padded call over all decodes gathered ~1/3 padding at the benchmark's mix of lengths and was
+   measured 2.5x slower (gather + SDPA only, B=64, benchmark-like contexts 40-380, 8 layers, 1 thread:
+   54-56 ms vs 20-22 ms per step with groups; whole decode step in the engine 54.5 -> 38.8 ms);
 3. runs each prefill chunk with SDPA: causal over its own K/V when nothing is cached before it,
    else over its gathered context with an offset-causal mask.
 All index tensors are built once per step (``AttentionMetadata``) and shared by every layer.
@@ -30,14 +34,49 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [n] rows of the flattened batch (all < num_decode)
+    blocks: torch.Tensor  # [n * nblk] block ids, row-major (padded with block 0)
+    mask: torch.Tensor  # [n, 1, 1, nblk * block_size] bool, True = attend
+
+
+# cost of one extra decode group, in gathered tokens (per-call overhead of gather + SDPA; see bucket_by_length)
+GROUP_COST_TOKENS = 256
+
+
+def bucket_by_length(lens: list[int], block_size: int,
+                     group_cost: int = GROUP_COST_TOKENS) -> list[list[int]]:
+    """Partition indices of ``lens`` into groups of similar length (each sorted by length), minimising
+    sum(group size * padded length of its longest member) + group_cost * number of groups (exact DP over
+    the length-sorted order, O(n^2) for n decodes)."""
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    padded = [-(-lens[i] // block_size) * block_size for i in order]
+    n = len(order)
+    best = [0] + [float("inf")] * n
+    prev = [0] * (n + 1)
+    for e in range(1, n + 1):
+        width = padded[e - 1]
+        for s in range(e):
+            c = best[s] + (e - s) * width + group_cost
+            if c < best[e]:
+                best[e], prev[e] = c, s
+    groups: list[list[int]] = []
+    e = n
+    while e > 0:
+        groups.append(order[prev[e]:e])
+        e = prev[e]
+    groups.reverse()
+    return groups
+
+
+@dataclass
 class AttentionMetadata:
     k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
     v_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [T]
     num_decode: int = 0
     block_size: int = 16
-    decode_blocks: torch.Tensor | None = None  # [B * nblk] block ids, row-major (padded with block 0)
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, nblk * block_size] bool
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -54,13 +93,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     # whole-block gathers: one contiguous row (block_size * KVH * D values) per block id
     kb = kc.view(-1, meta.block_size * kv_heads * head_dim)
     vb = vc.view(-1, meta.block_size * kv_heads * head_dim)
-    nd = meta.num_decode
-    if nd:
-        kd = kb.index_select(0, meta.decode_blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-        vd = vb.index_select(0, meta.decode_blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
-        qd = q[:nd].reshape(nd, kv_heads, group, head_dim)  # query heads grouped under their KV head
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scaling)
-        out[:nd] = od.reshape(nd, num_heads, head_dim)
+    for g in meta.decode_groups:
+        nd = g.rows.shape[0]
+        kd = kb.index_select(0, g.blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        vd = vb.index_select(0, g.blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
+        qd = q.index_select(0, g.rows).view(nd, kv_heads, group, head_dim)  # query heads under their KV head
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling)
+        out.index_copy_(0, g.rows, od.reshape(nd, num_heads, head_dim))
 
     gqa = group > 1
     for p in meta.prefills:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from serving.engine import attention
-from serving.engine.attention import AttentionMetadata, PrefillChunk
+from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, bucket_by_length
 from serving.engine.config import EngineConfig
 from serving.engine.errors import ModelLoadError
 from serving.engine.scheduler import ScheduledSeq
@@ -151,13 +151,14 @@ class ModelRunner:
         meta = AttentionMetadata(self.k_caches, self.v_caches,
                                  torch.tensor(slots, dtype=torch.long, device=dev), num_decode=num_decode,
                                  block_size=bs)
-        if num_decode:
-            nblk = -(-max(decode_lens) // bs)
-            tab = [t[:nblk] + [0] * (nblk - min(len(t), nblk)) for t in decode_tables]
-            meta.decode_blocks = torch.tensor(tab, dtype=torch.long).flatten().to(dev)
-            lens = torch.tensor(decode_lens)
-            meta.decode_mask = (torch.arange(nblk * bs)[None, :] < lens[:, None]).view(
-                num_decode, 1, 1, nblk * bs).to(dev)
+        for rows in bucket_by_length(decode_lens, bs):  # decodes of similar length share one padded gather
+            glens = [decode_lens[r] for r in rows]
+            nblk = -(-max(glens) // bs)
+            tab = [decode_tables[r][:nblk] + [0] * (nblk - min(len(decode_tables[r]), nblk)) for r in rows]
+            mask = (torch.arange(nblk * bs)[None, :] < torch.tensor(glens)[:, None]).view(len(rows), 1, 1, -1)
+            meta.decode_groups.append(DecodeGroup(torch.tensor(rows, dtype=torch.long, device=dev),
+                                                  torch.tensor(tab, dtype=torch.long).flatten().to(dev),
+                                                  mask.to(dev)))
         for row0, row1, start, table in prefill_specs:
             if start == 0:
                 meta.prefills.append(PrefillChunk(row0, row1))
