@@ -213,6 +213,10 @@ def release_stage(ctx: PipelineContext, variant: str, bundle: StageOutput, evalu
             ref = register_bundle(bundle.path, ctx.recipe.registered_model_name,
                                   description=f"{ctx.recipe.name} ({variant}) from the lifecycle pipeline")
             info.update(model_uri=f"models:/{ref.name}/{ref.version}", version=ref.version)
+            # The registry is where people decide promotions: show the gate verdict on the version itself.
+            client = mlflow.MlflowClient()
+            client.set_model_version_tag(ref.name, ref.version, "lifecycle.gates_passed", str(report.passed).lower())
+            client.set_model_version_tag(ref.name, ref.version, "lifecycle.gates", report.summary()[:5000])
             if report.passed and variant == ctx.ship_variant:
                 set_alias(ref.name, registry.candidate_alias, ref.version)
                 info["alias"] = registry.candidate_alias

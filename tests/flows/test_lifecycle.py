@@ -63,6 +63,7 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
         assert (bundle / "eval_record.json").is_file()
         assert summary["stages"][f"release-{variant}"]["gates_passed"] is True
     candidate = client.get_model_version_by_alias("micro-e2e", "candidate")
+    assert candidate.tags["lifecycle.gates_passed"] == "true"
     assert str(candidate.version) == str(summary["stages"]["release-gptq"]["version"])
 
     # Second run: every stage comes from the cache and no stage opens a new MLflow run.
