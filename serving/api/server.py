@@ -338,9 +338,14 @@ async def _stream_completion(h, state, req, rid, created, subs, prompts_ids) -> 
     except APIError as e:
         yield _sse(error_body(e.message, e.type, e.param, e.status))
     finally:
-        for j, (sub_id, _, _) in enumerate(subs):
-            if j not in finished:
-                state.async_engine.abort(sub_id)
+        _abort_unfinished(state, subs, finished)
+
+
+def _abort_unfinished(state: ServerState, subs, finished: set[int]) -> None:
+    """A stream that ends early (client gone, error) frees the KV blocks of the choices still running."""
+    for j, (sub_id, _, _) in enumerate(subs):
+        if j not in finished:
+            state.async_engine.abort(sub_id)
 
 
 # ----------------------------------------------------------------------------- chat
@@ -423,9 +428,7 @@ async def _stream_chat(h, state, req, rid, created, subs, n_prompt, top) -> Asyn
     except APIError as e:
         yield _sse(error_body(e.message, e.type, e.param, e.status))
     finally:
-        for j, (sub_id, _, _) in enumerate(subs):
-            if j not in finished:
-                state.async_engine.abort(sub_id)
+        _abort_unfinished(state, subs, finished)
 
 
 # ----------------------------------------------------------------------------- app
