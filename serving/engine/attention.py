@@ -4,7 +4,9 @@ The model sees one flattened "batch" of shape [1, T]: the decode tokens of every
 first, then the prefill chunks, with ``position_ids`` giving each token's position in its own
 sequence. For every layer this function
 1. scatters the new K/V into the preallocated cache with one ``index_copy_`` over the slot mapping;
-2. runs the decode queries in a few SDPA calls, one per group of decodes with similar context length
+2. runs the decode queries: with the C++ kernel (``paged_decode``, fp32 on CPU) in one call that reads
+   every sequence's K/V straight from its blocks (whole decode step at B=64, contexts 32-512: 47.8 ->
+   33.8 ms); otherwise in a few SDPA calls, one per group of decodes with similar context length
    (``bucket_by_length``), each over its sequences' K/V gathered into a padded tensor (whole-block
    ``index_select`` by block table, a key-padding mask), grouping query heads per KV head for GQA.
    One padded call over all decodes gathered ~1/3 padding at the benchmark's mix of lengths and was
@@ -17,6 +19,7 @@ All index tensors are built once per step (``AttentionMetadata``) and shared by 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +80,10 @@ class AttentionMetadata:
     num_decode: int = 0
     block_size: int = 16
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # kernel path (instead of decode_groups): [num_decode, max_blocks] block ids (padded with 0), [num_decode]
+    decode_block_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+    decode_kernel: Callable[..., None] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -89,10 +96,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     kc.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)  # slot = block * block_size + offset
     vc.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     group = num_heads // kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # whole-block gathers: one contiguous row (block_size * KVH * D values) per block id
     kb = kc.view(-1, meta.block_size * kv_heads * head_dim)
     vb = vc.view(-1, meta.block_size * kv_heads * head_dim)
+    if meta.decode_kernel is not None and meta.num_decode:
+        nd = meta.num_decode
+        meta.decode_kernel(q[:nd].contiguous(), kc, vc, meta.decode_block_tables, meta.decode_lens,
+                           head_dim ** -0.5 if scaling is None else scaling, out[:nd])
     for g in meta.decode_groups:
         nd = g.rows.shape[0]
         kd = kb.index_select(0, g.blocks).view(nd, -1, kv_heads, head_dim).transpose(1, 2)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from serving.engine import attention
+from serving.engine import attention, paged_decode
 from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, bucket_by_length
 from serving.engine.config import EngineConfig
 from serving.engine.errors import ModelLoadError
@@ -67,6 +67,8 @@ class ModelRunner:
         self.k_caches = [torch.zeros(self.num_blocks, self.block_size, self.kv_heads, self.head_dim,
                                      dtype=cache_dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
+        # decode attention straight from the blocks (C++, fp32 CPU) when it builds; else bucketed SDPA
+        self.decode_kernel = paged_decode.load() if paged_decode.supported(self.k_caches[0]) else None
 
     # ----------------------------------------------------------------- loading
     def _resolve_dtype(self, model_dir: str | Path) -> torch.dtype:
@@ -151,6 +153,13 @@ class ModelRunner:
         meta = AttentionMetadata(self.k_caches, self.v_caches,
                                  torch.tensor(slots, dtype=torch.long, device=dev), num_decode=num_decode,
                                  block_size=bs)
+        if self.decode_kernel is not None and num_decode:
+            nblk = max(len(t) for t in decode_tables)
+            meta.decode_kernel = self.decode_kernel
+            meta.decode_block_tables = torch.tensor([t + [0] * (nblk - len(t)) for t in decode_tables],
+                                                    dtype=torch.long, device=dev)
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            decode_lens = []  # no groups
         for rows in bucket_by_length(decode_lens, bs):  # decodes of similar length share one padded gather
             glens = [decode_lens[r] for r in rows]
             nblk = -(-max(glens) // bs)

@@ -1,0 +1,90 @@
+"""Decode-step microbenchmark: one engine forward over B decoding sequences, A/B'd in one process.
+
+Builds the engine's ModelRunner on the serving-benchmark model, fills the KV cache with noise, gives B
+sequences random contexts (uniform in --ctx, blocks scattered over the cache like a busy engine's) and
+times ``ModelRunner.execute`` (prepare + forward + logits) with the paged decode kernel and with the
+torch decode path (bucketed gather + SDPA), alternating the two, median of --iters per run, best of
+--runs. 1 thread unless --threads.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py --batch 16 48 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_model import DEFAULT_MODEL_DIR, build_bench_model  # noqa: E402
+from serving.engine.config import EngineConfig  # noqa: E402
+from serving.engine.model_runner import ModelRunner  # noqa: E402
+from serving.engine.sampling_params import SamplingParams  # noqa: E402
+from serving.engine.scheduler import ScheduledSeq  # noqa: E402
+from serving.engine.sequence import Sequence  # noqa: E402
+
+
+def decode_batch(runner: ModelRunner, batch: int, ctx: tuple[int, int], seed: int) -> list[ScheduledSeq]:
+    rng = random.Random(seed)
+    bs = runner.block_size
+    free = list(range(1, runner.num_blocks))
+    rng.shuffle(free)
+    out = []
+    for i in range(batch):
+        n = rng.randint(*ctx)
+        seq = Sequence(f"r{i}", [rng.randrange(7, runner.vocab_size) for _ in range(n)], SamplingParams(max_tokens=1))
+        seq.block_table = [free.pop() for _ in range(-(-n // bs))]
+        seq.num_computed_tokens = n - 1
+        out.append(ScheduledSeq(seq, 1))
+    return out
+
+
+def median_ms(fn, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[64])
+    ap.add_argument("--ctx", type=int, nargs=2, default=[32, 512])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        build_bench_model(DEFAULT_MODEL_DIR)
+    runner = ModelRunner(DEFAULT_MODEL_DIR, EngineConfig(threads=args.threads))
+    for c in runner.k_caches + runner.v_caches:
+        c.normal_()
+    variants = {"torch": None, "kernel": runner.decode_kernel}
+    if variants["kernel"] is None:
+        print("paged decode kernel unavailable: timing the torch path only")
+        del variants["kernel"]
+    for b in args.batch:
+        sched = decode_batch(runner, b, tuple(args.ctx), seed=b)
+        flags = [True] * b
+        res: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(args.runs):
+            for name, k in variants.items():
+                runner.decode_kernel = k
+                res[name].append(median_ms(lambda s=sched, f=flags: runner.execute(s, f), args.iters))
+        print(f"B={b} ctx {args.ctx[0]}-{args.ctx[1]}: " + "  ".join(
+            f"{n} {min(v):.1f} ms/step (runs {' '.join(f'{x:.1f}' for x in v)})" for n, v in res.items()))
+    runner.decode_kernel = variants.get("kernel")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
