@@ -2,9 +2,10 @@
 
 Builds the engine's ModelRunner on the serving-benchmark model, fills the KV cache with noise, gives B
 sequences random contexts (uniform in --ctx, blocks scattered over the cache like a busy engine's) and
-times ``ModelRunner.execute`` (prepare + forward + logits) with the paged decode kernel and with the
-torch decode path (bucketed gather + SDPA), alternating the two, median of --iters per run, best of
---runs. 1 thread unless --threads.
+times ``ModelRunner.execute`` (prepare + forward + logits) in three variants, alternated: "torch" (no
+C++ kernels: bucketed gather + SDPA, F.rms_norm), "attn" (the paged decode kernel only) and "attn+norm"
+(plus the fused residual add + RMSNorm); median of --iters per run, best of --runs. 1 thread unless
+--threads.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py --batch 16 48 64
 """
@@ -68,21 +69,23 @@ def main() -> None:
     runner = ModelRunner(DEFAULT_MODEL_DIR, EngineConfig(threads=args.threads))
     for c in runner.k_caches + runner.v_caches:
         c.normal_()
-    variants = {"torch": None, "kernel": runner.decode_kernel}
-    if variants["kernel"] is None:
-        print("paged decode kernel unavailable: timing the torch path only")
-        del variants["kernel"]
+    kernels = runner.compact.kernels
+    variants = {"torch": (None, None), "attn": (runner.decode_kernel, None),
+                "attn+norm": (runner.decode_kernel, kernels)}
+    if kernels is None:
+        print("CPU kernels unavailable: timing the torch path only")
+        variants = {"torch": (None, None)}
     for b in args.batch:
         sched = decode_batch(runner, b, tuple(args.ctx), seed=b)
         flags = [True] * b
         res: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(args.runs):
-            for name, k in variants.items():
-                runner.decode_kernel = k
+            for name, (attn, norm) in variants.items():
+                runner.decode_kernel, runner.compact.kernels = attn, norm
                 res[name].append(median_ms(lambda s=sched, f=flags: runner.execute(s, f), args.iters))
         print(f"B={b} ctx {args.ctx[0]}-{args.ctx[1]}: " + "  ".join(
             f"{n} {min(v):.1f} ms/step (runs {' '.join(f'{x:.1f}' for x in v)})" for n, v in res.items()))
-    runner.decode_kernel = variants.get("kernel")
+    runner.decode_kernel, runner.compact.kernels = variants[list(variants)[-1]]
 
 
 if __name__ == "__main__":

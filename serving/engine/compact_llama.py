@@ -14,6 +14,7 @@ once at load time; see its docstring for the measurements behind that choice.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -99,8 +100,10 @@ def _eps(norm: torch.nn.Module) -> float:
 
 
 class CompactLlama:
-    def __init__(self, model: torch.nn.Module, max_positions: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_positions: int, kernels: ModuleType | None = None) -> None:
+        """``kernels``: ``cpu_kernels.load()`` for fp32 CPU weights (fused residual add + RMSNorm), else None."""
         inner = model.model
+        self.kernels = kernels
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -163,15 +166,26 @@ class CompactLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+        """``h += delta`` in place (the residual stream), then RMSNorm(h) as a new tensor."""
+        if self.kernels is not None:
+            out = torch.empty_like(h)
+            self.kernels.add_rms_norm(h, delta, weight, eps, out)
+            return out
+        if delta is not None:
+            h.add_(delta)
+        return F.rms_norm(h, (self.hidden,), weight, eps)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  keep: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T]; returns logits [len(keep), V] for the kept rows."""
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         cos, sin = self.cos[positions], self.sin[positions]
-        hs = (self.hidden,)
+        delta = None
         for i, L in enumerate(self.layers):
-            x = F.rms_norm(h, hs, L.ln1, L.eps1)
+            x = self._add_norm(h, delta, L.ln1, L.eps1)
             qkv = L.qkv(x)
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.kv_heads, self.head_dim)
@@ -179,10 +193,10 @@ class CompactLlama:
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
             o = paged_attention(q, k, v, i, meta, self.scaling)
-            h = h + L.o(o.view(t, self.q_size))
-            x = F.rms_norm(h, hs, L.ln2, L.eps2)
+            x = self._add_norm(h, L.o(o.view(t, self.q_size)), L.ln2, L.eps2)
             gu = L.gate_up(x)
             g, u = gu.chunk(2, dim=-1)
-            h = h + L.down(F.silu(g) * u)
-        h = F.rms_norm(h.index_select(0, keep), hs, self.norm, self.norm_eps)
+            delta = L.down(F.silu(g) * u)
+        h = h.index_select(0, keep)
+        h = self._add_norm(h, None if delta is None else delta.index_select(0, keep), self.norm, self.norm_eps)
         return self.lm_head(h)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from serving.engine import attention, paged_decode
+from serving.engine import attention, cpu_kernels
 from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, bucket_by_length
 from serving.engine.config import EngineConfig
 from serving.engine.errors import ModelLoadError
@@ -68,7 +68,8 @@ class ModelRunner:
                                      dtype=cache_dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
         # decode attention straight from the blocks (C++, fp32 CPU) when it builds; else bucketed SDPA
-        self.decode_kernel = paged_decode.load() if paged_decode.supported(self.k_caches[0]) else None
+        kernels = cpu_kernels.load() if cpu_kernels.supported(self.k_caches[0]) else None
+        self.decode_kernel = kernels.paged_decode if kernels is not None else None
 
     # ----------------------------------------------------------------- loading
     def _resolve_dtype(self, model_dir: str | Path) -> torch.dtype:
@@ -105,7 +106,8 @@ class ModelRunner:
             log.info("using the HF model forward (%s)", why)
             return None
         cfg = self.model.config
-        return CompactLlama(self.model, getattr(cfg, "max_position_embeddings", 2048))
+        kernels = cpu_kernels.load() if cpu_kernels.supported(self.model.lm_head.weight) else None
+        return CompactLlama(self.model, getattr(cfg, "max_position_embeddings", 2048), kernels)
 
     def _num_blocks(self) -> int:
         if self.config.num_blocks is not None:

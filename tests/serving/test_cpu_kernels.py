@@ -1,4 +1,4 @@
-"""The C++ paged decode kernel: equal to the torch decode path, and the engine stays exact on both paths."""
+"""The C++ CPU kernels: equal to the torch ops they replace, and the engine stays exact with and without them."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import random
 import pytest
 import torch
 
-from serving.engine import EngineConfig, LLMEngine, SamplingParams, paged_decode
+from serving.engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels
 from serving.engine.attention import AttentionMetadata, DecodeGroup, bucket_by_length, paged_attention
 
-kernel = paged_decode.load()
-needs_kernel = pytest.mark.skipif(kernel is None, reason="paged decode kernel did not build (no C++ compiler?)")
+kernels = cpu_kernels.load()
+kernel = kernels.paged_decode if kernels is not None else None
+needs_kernel = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build (no C++ compiler?)")
 
 
 def _case(heads: int, kv_heads: int, d: int, lens: list[int], bs: int = 16, seed: int = 0):
@@ -72,6 +73,20 @@ def test_kernel_ignores_masked_extremes():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows,n", [(1, 512), (37, 64), (5, 24), (3, 100)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_torch(rows, n, with_delta):
+    torch.manual_seed(rows)
+    h, delta, w = torch.randn(rows, n), torch.randn(rows, n), torch.randn(n)
+    ref_h = h + delta if with_delta else h.clone()
+    ref = torch.nn.functional.rms_norm(ref_h, (n,), w, 1e-5)
+    out = torch.empty_like(h)
+    kernels.add_rms_norm(h, delta if with_delta else None, w, 1e-5, out)
+    torch.testing.assert_close(h, ref_h, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def gqa4_model_dir(tmp_path_factory):
     """Four query heads per KV head, head_dim 16: the kernel's vectorized path inside the engine."""
@@ -85,15 +100,16 @@ def test_engine_greedy_matches_hf_on_both_paths(gqa4_model_dir, use_kernel, monk
     from transformers import AutoModelForCausalLM
 
     if use_kernel and kernel is None:
-        pytest.skip("paged decode kernel did not build")
+        pytest.skip("CPU kernels did not build")
     if not use_kernel:
-        monkeypatch.setattr(paged_decode, "load", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     hf = AutoModelForCausalLM.from_pretrained(gqa4_model_dir, dtype=torch.float32).eval()
     rng = random.Random(1)
     prompts = [[rng.randrange(7, 400) for _ in range(rng.randint(2, 70))] for _ in range(8)]
     engine = LLMEngine.from_pretrained(gqa4_model_dir, EngineConfig(num_blocks=128, block_size=4,
                                                                     max_num_batched_tokens=32))
     assert (engine.runner.decode_kernel is not None) == use_kernel
+    assert (engine.runner.compact.kernels is not None) == use_kernel
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     with torch.no_grad():
         for p, o in zip(prompts, outs):
@@ -102,7 +118,7 @@ def test_engine_greedy_matches_hf_on_both_paths(gqa4_model_dir, use_kernel, monk
 
 
 def test_load_respects_the_switch(monkeypatch):
-    monkeypatch.setattr(paged_decode, "_tried", False)
-    monkeypatch.setattr(paged_decode, "_kernel", None)
-    monkeypatch.setenv(paged_decode.ENV_SWITCH, "0")
-    assert paged_decode.load() is None
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_kernels", None)
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    assert cpu_kernels.load() is None
