@@ -3,9 +3,9 @@
 Builds the engine's ModelRunner on the serving-benchmark model, fills the KV cache with noise, gives B
 sequences random contexts (uniform in --ctx, blocks scattered over the cache like a busy engine's) and
 times ``ModelRunner.execute`` (prepare + forward + logits) in three variants, alternated: "torch" (no
-C++ kernels: bucketed gather + SDPA, F.rms_norm), "attn" (the paged decode kernel only) and "attn+norm"
-(plus the fused residual add + RMSNorm); median of --iters per run, best of --runs. 1 thread unless
---threads.
+C++ kernels: bucketed gather + SDPA, F.rms_norm), "attn" (the paged decode kernel only) and "all"
+(plus the fused residual add + RMSNorm and the rotary kernel); median of --iters per run, best of
+--runs. 1 thread unless --threads.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py --batch 16 48 64
 """
@@ -71,7 +71,7 @@ def main() -> None:
         c.normal_()
     kernels = runner.compact.kernels
     variants = {"torch": (None, None), "attn": (runner.decode_kernel, None),
-                "attn+norm": (runner.decode_kernel, kernels)}
+                "all": (runner.decode_kernel, kernels)}
     if kernels is None:
         print("CPU kernels unavailable: timing the torch path only")
         variants = {"torch": (None, None)}

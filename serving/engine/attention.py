@@ -4,7 +4,7 @@ The model sees one flattened "batch" of shape [1, T]: the decode tokens of every
 first, then the prefill chunks, with ``position_ids`` giving each token's position in its own
 sequence. For every layer this function
 1. scatters the new K/V into the preallocated cache with one ``index_copy_`` over the slot mapping;
-2. runs the decode queries: with the C++ kernel (``paged_decode``, fp32 on CPU) in one call that reads
+2. runs the decode queries: with ``cpu_kernels.paged_decode`` (C++, fp32 CPU) in one call that reads
    every sequence's K/V straight from its blocks (whole decode step at B=64, contexts 32-512: 47.8 ->
    33.8 ms); otherwise in a few SDPA calls, one per group of decodes with similar context length
    (``bucket_by_length``), each over its sequences' K/V gathered into a padded tensor (whole-block

@@ -317,6 +317,39 @@ void add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Te
     }
   });
 }
+
+// Rotary embedding of the q and k heads of a fused qkv [T, W] row (HF rotate_half convention):
+// q_out [T, nq, D], k_out [T, nk, D]; cos/sin [P, D] tables indexed by positions [T].
+void rope(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t nq,
+          int64_t nk, torch::Tensor q_out, torch::Tensor k_out) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat && cos.dtype() == torch::kFloat && sin.dtype() == torch::kFloat
+              && q_out.dtype() == torch::kFloat && k_out.dtype() == torch::kFloat, "rope: fp32 only");
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && q_out.is_contiguous()
+              && k_out.is_contiguous() && positions.is_contiguous() && positions.dtype() == torch::kLong,
+              "rope: contiguous inputs, int64 positions");
+  const int64_t T = qkv.size(0), W = qkv.size(1), D = q_out.size(2), half = D / 2;
+  TORCH_CHECK(W >= (nq + nk) * D && cos.size(-1) == D && D % 2 == 0, "rope: shape mismatch");
+  const float* xp = qkv.data_ptr<float>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qo = q_out.data_ptr<float>();
+  float* ko = k_out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pp[t] * D;
+      const float* s = sp + pp[t] * D;
+      for (int64_t h = 0; h < nq + nk; ++h) {
+        const float* x = xp + t * W + h * D;
+        float* o = h < nq ? qo + (t * nq + h) * D : ko + (t * nk + h - nq) * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) o[i] = x[i] * c[i] - x[i + half] * s[i];
+#pragma omp simd
+        for (int64_t i = half; i < D; ++i) o[i] = x[i] * c[i] + x[i - half] * s[i];
+      }
+    }
+  });
+}
 """
 
 _kernels: ModuleType | None = None
@@ -325,7 +358,8 @@ _tried = False
 
 def load() -> ModuleType | None:
     """The compiled module, or None: ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-    out)`` and ``add_rms_norm(h, delta_or_None, weight, eps, out)``."""
+    out)``, ``add_rms_norm(h, delta_or_None, weight, eps, out)`` and ``rope(qkv, positions, cos, sin, nq, nk,
+    q_out, k_out)``."""
     global _kernels, _tried
     if _tried:
         return _kernels
@@ -339,7 +373,8 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        _kernels = load_inline("llm_lifecycle_cpu_kernels", CPP_SOURCE, functions=["paged_decode", "add_rms_norm"],
+        _kernels = load_inline("llm_lifecycle_cpu_kernels", CPP_SOURCE,
+                               functions=["paged_decode", "add_rms_norm", "rope"],
                                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
     except Exception as e:  # any build or load failure means: use the torch path
         log.warning("CPU kernels unavailable (%s: %s); the engine uses torch ops", type(e).__name__, e)

@@ -87,6 +87,25 @@ def test_add_rms_norm_matches_torch(rows, n, with_delta):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows,nq,nk,d", [(1, 8, 2, 64), (33, 4, 2, 16), (5, 6, 6, 24)])
+def test_rope_matches_compact_torch_rope(rows, nq, nk, d):
+    from serving.engine.compact_llama import CompactLlama
+
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, (nq + 2 * nk) * d)
+    freqs = torch.outer(torch.arange(300.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos()[:, None, :].contiguous(), emb.sin()[:, None, :].contiguous()
+    pos = torch.randint(0, 300, (rows,))
+    q, k = torch.empty(rows, nq, d), torch.empty(rows, nk, d)
+    kernels.rope(qkv, pos, cos, sin, nq, nk, q, k)
+    ref_q = CompactLlama._rope(qkv[:, :nq * d].view(rows, nq, d), cos[pos], sin[pos])
+    ref_k = CompactLlama._rope(qkv[:, nq * d:(nq + nk) * d].view(rows, nk, d), cos[pos], sin[pos])
+    torch.testing.assert_close(q, ref_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, ref_k, atol=1e-6, rtol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def gqa4_model_dir(tmp_path_factory):
     """Four query heads per KV head, head_dim 16: the kernel's vectorized path inside the engine."""
