@@ -23,8 +23,10 @@ engine keeps the torch ops, when there is no compiler, the build fails, or ``LLM
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import shutil
 from types import ModuleType
 
@@ -356,6 +358,17 @@ _kernels: ModuleType | None = None
 _tried = False
 
 
+def _cpu_tag() -> str:
+    """Short hash of this CPU's feature flags: the build uses -march=native, so a build cache shared between
+    different hosts must not hand one host's binary to another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1((flags or platform.processor() or platform.machine()).encode()).hexdigest()[:8]
+
+
 def load() -> ModuleType | None:
     """The compiled module, or None: ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
     out)``, ``add_rms_norm(h, delta_or_None, weight, eps, out)`` and ``rope(qkv, positions, cos, sin, nq, nk,
@@ -373,7 +386,7 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        _kernels = load_inline("llm_lifecycle_cpu_kernels", CPP_SOURCE,
+        _kernels = load_inline(f"llm_lifecycle_cpu_kernels_{_cpu_tag()}", CPP_SOURCE,
                                functions=["paged_decode", "add_rms_norm", "rope"],
                                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
     except Exception as e:  # any build or load failure means: use the torch path

@@ -141,3 +141,10 @@ def test_load_respects_the_switch(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_kernels", None)
     monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     assert cpu_kernels.load() is None
+
+
+def test_no_compiler_means_torch_path(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_kernels", None)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    assert cpu_kernels.load() is None
