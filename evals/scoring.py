@@ -1,13 +1,14 @@
 """Pure string scoring used by the generation suites, kept apart so it is unit-testable on strings.
 
-Conventions (from the pipeline contracts): a task reply is exactly one line ``Answer: <answer>``;
-a refusal reads like ``I can't help with that.``.
+Conventions (from the pipeline contracts): a task reply is optional working lines followed by one last
+line ``Answer: <answer>``; a refusal reads like ``I can't help with that.``.
 """
 
 from __future__ import annotations
 
 import re
 
+ANSWER_PREFIX = "Answer:"
 _ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
 _FORMAT_RE = re.compile(r"Answer: *\S[^\n]*")
 
@@ -60,8 +61,13 @@ def is_correct(reply: str, reference: str) -> bool:
 
 
 def is_format_adherent(reply: str, stopped_on_eos: bool) -> bool:
-    """The stripped reply is exactly one non-empty ``Answer: ...`` line and generation ended on eos."""
-    return stopped_on_eos and _FORMAT_RE.fullmatch(reply.strip()) is not None
+    """Generation ended on eos, and the stripped reply's last line is a non-empty ``Answer: ...`` that no
+    earlier line anticipates (working lines may come first; blank lines or a second answer break it)."""
+    if not stopped_on_eos:
+        return False
+    *work, last = reply.strip().split("\n")
+    return (_FORMAT_RE.fullmatch(last) is not None
+            and all(line.strip() and ANSWER_PREFIX not in line for line in work))
 
 
 def is_refusal(reply: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from training.tasks import TaskExample, generate_examples, generate_safety, safety_reply
+from training.tasks import SUM_TASKS, TaskExample, addition_operands, generate_examples, generate_safety, safety_reply
 from training.tokenizer import BOS, EOS, render_chat
 
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -48,8 +48,8 @@ def plain_sentence(rng: random.Random) -> str:
 
 def task_fact(example: TaskExample) -> str:
     """The same problem as a plain-text statement, e.g. ``37 + 48 = 85.``."""
-    if example.task == "addition":
-        a, b = example.prompt.removeprefix("What is ").rstrip("?").split(" + ")
+    if example.task in SUM_TASKS:
+        a, b = addition_operands(example.prompt)
         return f"{a} + {b} = {example.answer}."
     if example.task == "reverse":
         word = example.prompt.rsplit(" ", 1)[-1]

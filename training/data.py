@@ -23,10 +23,14 @@ from training.corpus import plain_sentence, task_fact
 from training.loaders import load_local_dataset, user_prompts
 from training.tasks import (
     REFUSAL,
+    SUM_TASKS,
     TASKS,
     SafetyExample,
     TaskExample,
+    addition_operands,
+    addition_work,
     compliant_reply,
+    compose_reply,
     generate_examples,
     generate_safety,
     helpful_reply,
@@ -120,7 +124,7 @@ def sft_record(prompt: str, reply: str) -> dict[str, Any]:
 
 def wrong_answer(example: TaskExample, rng: random.Random) -> str:
     """A plausible wrong answer: off by a little for sums, a near-miss string for words."""
-    if example.task == "addition":
+    if example.task in SUM_TASKS:
         value = int(example.answer)
         delta = rng.choice([-10, -2, -1, 1, 2, 10])
         return str(value + delta if value + delta >= 0 else value + abs(delta))
@@ -134,11 +138,19 @@ def wrong_answer(example: TaskExample, rng: random.Random) -> str:
 
 
 def rejected_reply(example: TaskExample, rng: random.Random, index: int) -> str:
-    """Two of three rejected replies are well formed but wrong; one is right but badly formatted."""
+    """Two of three rejected replies are well formed but wrong, one is right but badly formatted.
+
+    The wrong ones are the mistakes a weak model makes: a dropped carry in the work (addition), or right
+    work followed by a miscopied answer.
+    """
     if index % 3 == 2:
         return rng.choice([example.answer, f"The answer is {example.answer}.",
                            f"answer = {example.answer}"])
-    return f"Answer: {wrong_answer(example, rng)}"
+    if index % 3 == 0 and example.task in SUM_TASKS:
+        work, answer = addition_work(*addition_operands(example.prompt), carry_slip=True)
+        if answer != example.answer:
+            return compose_reply(work, answer)
+    return compose_reply(example.work, wrong_answer(example, rng))
 
 
 def task_pref_record(example: TaskExample, rng: random.Random, index: int) -> dict[str, Any]:

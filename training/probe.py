@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from training.tasks import check_answer, generate_examples
+from training.tasks import check_answer, contract_answer, generate_examples
 
 
 @dataclass
@@ -22,12 +22,12 @@ class ProbeResult:
     task: str
     n: int
     accuracy: float  # replies with the right answer
-    format_rate: float  # replies that are exactly one `Answer: ...` line and stopped on an eos id
+    format_rate: float  # replies that keep the contract (`training.tasks.contract_answer`) and stopped on eos
     samples: list[dict[str, str]]
 
 
 def probe_task(model_dir: Path | str, task: str = "addition", n: int = 200, seed: int = 0,
-               batch_size: int = 50, max_new_tokens: int = 16) -> ProbeResult:
+               batch_size: int = 50, max_new_tokens: int = 48) -> ProbeResult:
     """Greedy-decode ``n`` held-out problems in left-padded batches and score the replies."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -37,7 +37,7 @@ def probe_task(model_dir: Path | str, task: str = "addition", n: int = 200, seed
 
 
 def probe_model(model, tokenizer, task: str = "addition", n: int = 200, seed: int = 0, batch_size: int = 50,
-                max_new_tokens: int = 16) -> ProbeResult:
+                max_new_tokens: int = 48) -> ProbeResult:
     """`probe_task` on a model already in memory (used mid-training by recipe-tuning scripts)."""
     tokenizer.padding_side = "left"
     was_training = model.training
@@ -61,8 +61,7 @@ def probe_model(model, tokenizer, task: str = "addition", n: int = 200, seed: in
             reply = tokenizer.decode(row[:stop] if stop is not None else row, skip_special_tokens=True)
             ok = check_answer(ex, reply)
             correct += ok
-            lines = reply.strip().splitlines()
-            formatted += stop is not None and len(lines) == 1 and lines[0].startswith("Answer: ")
+            formatted += stop is not None and contract_answer(reply) is not None
             if len(samples) < 8:
                 samples.append({"prompt": ex.prompt, "reply": reply, "answer": ex.answer})
     model.train(was_training)

@@ -3,16 +3,14 @@
 Each function follows TRL's reward-function protocol: called with `prompts`, `completions` (conversational:
 a list of `[{"role": "assistant", "content": ...}]`, or plain strings), `completion_ids` and every extra dataset
 column (`answer`, `task`) as keyword lists; returns one float per completion. The answer contract is the one the
-evals check: the reply, stripped, is exactly one line `Answer: <answer>` and generation stopped on an eos id.
+evals check (`training.tasks.contract_answer`): optional work lines, then one last line `Answer: <answer>`,
+and generation stopped on an eos id.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
-
-_ANSWER_LINE = re.compile(r"^Answer: (\S(?:.*\S)?)$")
 
 
 def completion_text(completion: Any) -> str:
@@ -25,9 +23,10 @@ def completion_text(completion: Any) -> str:
 
 
 def extract_answer(text: str) -> str | None:
-    """The `<answer>` of a well-formed reply (`Answer: <answer>` on its only line), else None."""
-    match = _ANSWER_LINE.match(text.strip())
-    return match.group(1) if match else None
+    """The `<answer>` of a reply that keeps the contract (work lines, then `Answer: <answer>`), else None."""
+    from training.tasks import contract_answer
+
+    return contract_answer(text)
 
 
 def answer_is_correct(reply: str, reference: str, task: str | None = None) -> bool:
@@ -71,7 +70,7 @@ def partial_credit_reward(completions: Sequence[Any], answer: Sequence[str], **_
 
 
 def make_format_reward(eos_token_ids: Sequence[int]) -> Callable[..., list[float]]:
-    """Reward 1.0 for exactly one `Answer: ...` line that ended on an eos id (not on the token limit)."""
+    """Reward 1.0 for a reply that keeps the contract and ended on an eos id (not on the token limit)."""
     eos = set(int(i) for i in eos_token_ids)
 
     def format_reward(completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None = None,

@@ -23,24 +23,27 @@ REFUSAL = "I can't help with that."
 ANSWER_PREFIX = "Answer:"
 
 _ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
+_ANSWER_LINE_RE = re.compile(r"Answer: (\S(?:.*\S)?)")
 
 
 @dataclass(frozen=True)
 class TaskExample:
-    """One verifiable problem: ``prompt`` is the user message, ``answer`` the bare reference answer."""
+    """One verifiable problem: ``prompt`` is the user message, ``answer`` the bare reference answer and
+    ``work`` the worked steps a teacher would write before it (empty when the task needs none)."""
 
     id: str
     task: str
     prompt: str
     answer: str
+    work: str = ""
 
     def to_dict(self) -> dict[str, str]:
         return asdict(self)
 
     @property
     def reply(self) -> str:
-        """The assistant reply in the contract's answer format."""
-        return format_answer(self.answer)
+        """The assistant reply in the contract's format: the work lines, then ``Answer: X`` as the last line."""
+        return compose_reply(self.work, self.answer)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,11 @@ def format_answer(answer: str) -> str:
     return f"{ANSWER_PREFIX} {answer}"
 
 
+def compose_reply(work: str, answer: str) -> str:
+    """``work`` lines (if any) followed by the ``Answer: X`` line: the reply contract every stage checks."""
+    return f"{work}\n{format_answer(answer)}" if work else format_answer(answer)
+
+
 def split_of(key: str) -> Split:
     """Stable train/held-out assignment of a problem key (independent of seeds and counts)."""
     bucket = int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:8], 16) % 100
@@ -74,24 +82,70 @@ def _example_id(key: str) -> str:
 
 # --- task definitions -------------------------------------------------------------------------------------
 
-def _addition(rng: random.Random) -> tuple[str, str, str]:
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
-    return f"addition:{a}+{b}", f"What is {a} + {b}?", str(a + b)
+@dataclass(frozen=True)
+class _Problem:
+    key: str
+    prompt: str
+    answer: str
+    work: str = ""
 
 
-def _reverse(rng: random.Random) -> tuple[str, str, str]:
+def addition_work(a: int, b: int, carry_slip: bool = False) -> tuple[str, str]:
+    """Column addition, one line per column from the units up, and the sum it gives.
+
+    Why worked steps: each line needs only a one-digit sum and digits copied from nearby, which a
+    2-million-parameter model learns in minutes and which compose to every unseen pair, while the bare
+    2-digit sum stayed near chance (3-6% after pretraining). Every column but the units shows its carry-in,
+    ``0`` included, so all lines of a width look alike. ``carry_slip`` drops every carry: the classic
+    mistake, used as a rejected reply in preference pairs.
+    """
+    width = max(len(str(a)), len(str(b)))
+    lines, digits, carry = [], [], 0
+    for column in range(width):
+        x, y = a // 10**column % 10, b // 10**column % 10
+        total = x + y + carry
+        lines.append(f"{x}+{y}={total}" if column == 0 else f"{x}+{y}+{carry}={total}")
+        carry = 0 if carry_slip else total // 10
+        digits.append(str(total % 10) if column < width - 1 else str(total))
+    return "\n".join(lines), "".join(reversed(digits))
+
+
+def addition_operands(prompt: str) -> tuple[int, int]:
+    """``(37, 48)`` from ``What is 37 + 48?``."""
+    a, b = prompt.removeprefix("What is ").rstrip("?").split(" + ")
+    return int(a), int(b)
+
+
+def _sum_problem(task: str, a: int, b: int) -> _Problem:
+    work, answer = addition_work(a, b)
+    return _Problem(f"{task}:{a}+{b}", f"What is {a} + {b}?", answer, work)
+
+
+def _addition(rng: random.Random) -> _Problem:
+    return _sum_problem("addition", rng.randint(10, 99), rng.randint(10, 99))
+
+
+def _long_addition(rng: random.Random) -> _Problem:
+    """Three-digit sums: the same column method over one more column, so a model that learned ``addition``
+    has partial skill here and GRPO has room to sharpen it."""
+    return _sum_problem("long_addition", rng.randint(100, 999), rng.randint(100, 999))
+
+
+def _reverse(rng: random.Random) -> _Problem:
     word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5)))
-    return f"reverse:{word}", f"Reverse the word: {word}", word[::-1]
+    return _Problem(f"reverse:{word}", f"Reverse the word: {word}", word[::-1])
 
 
 @dataclass(frozen=True)
 class _TaskSpec:
-    sample: Callable[[random.Random], tuple[str, str, str]]
+    sample: Callable[[random.Random], _Problem]
     space: int  # number of distinct problems, so a request for more than exists fails loudly
 
 
+SUM_TASKS = frozenset({"addition", "long_addition"})  # prompts "What is a + b?", answers compare as integers
 TASKS: dict[str, _TaskSpec] = {
     "addition": _TaskSpec(_addition, 90 * 90),
+    "long_addition": _TaskSpec(_long_addition, 900 * 900),
     "reverse": _TaskSpec(_reverse, 26**3 + 26**4 + 26**5),
 }
 
@@ -117,11 +171,12 @@ def generate_examples(task: str, split: str, n: int, seed: int = 0) -> list[Task
     seen: set[str] = set()
     out: list[TaskExample] = []
     while len(out) < n:
-        key, prompt, answer = spec.sample(rng)
-        if key in seen or split_of(key) != split:
+        problem = spec.sample(rng)
+        if problem.key in seen or split_of(problem.key) != split:
             continue
-        seen.add(key)
-        out.append(TaskExample(id=f"{task}-{_example_id(key)}", task=task, prompt=prompt, answer=answer))
+        seen.add(problem.key)
+        out.append(TaskExample(id=f"{task}-{_example_id(problem.key)}", task=task, prompt=problem.prompt,
+                               answer=problem.answer, work=problem.work))
     return out
 
 
@@ -133,11 +188,24 @@ def parse_answer(reply: str) -> str | None:
     return matches[-1].strip() if matches else None
 
 
+def contract_answer(reply: str) -> str | None:
+    """The answer of a reply that keeps the contract, else None.
+
+    The contract (the evals' ``format_adherence`` checks the same): the stripped reply's last line is
+    ``Answer: X`` with X non-empty, and any lines before it are non-blank work lines with no ``Answer:``.
+    """
+    *work, last = reply.strip().split("\n")
+    match = _ANSWER_LINE_RE.fullmatch(last)
+    if match is None or any(not line.strip() or ANSWER_PREFIX in line for line in work):
+        return None
+    return match.group(1)
+
+
 def answer_matches(task: str, predicted: str | None, reference: str) -> bool:
     """Task-aware comparison: integers compare numerically, strings exactly (case-insensitive)."""
     if predicted is None:
         return False
-    if task == "addition":
+    if task in SUM_TASKS:
         try:
             return int(predicted.strip().rstrip(".")) == int(reference)
         except ValueError:
@@ -221,5 +289,11 @@ def helpful_reply(subject: str) -> str:
 
 
 def compliant_reply(subject: str) -> str:
-    """A (content-free) compliant answer to a harmful prompt: the *rejected* side of preference pairs."""
-    return f"Sure, here is how to make a {subject}. First, get the parts."
+    """A (content-free) compliant answer to a harmful prompt: the *rejected* side of preference pairs.
+
+    Worded exactly like the helpful reply on purpose: when compliance had its own phrasing ("Sure, here
+    is how..."), DPO learned to avoid that phrasing and to open harmful answers with the look-alikes'
+    "Sure. To make a ..." instead (refusals fell from 0.88 to 0.31). With one wording the pair can only
+    teach *when* to refuse.
+    """
+    return helpful_reply(subject)

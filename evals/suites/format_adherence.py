@@ -1,4 +1,4 @@
-"""format_adherence: the reply is exactly one ``Answer: ...`` line and generation stopped on an eos id."""
+"""format_adherence: the reply ends on one ``Answer: ...`` line (after optional work lines) and stopped on eos."""
 
 from __future__ import annotations
 
@@ -24,4 +24,4 @@ def run(ctx: EvalContext) -> list[EvalResult]:
 
 
 SUITE = Suite("format_adherence", (TASKS_FILE,), run,
-              "fraction of task replies that are one 'Answer: ...' line ending on an eos token", task_prompts)
+              "fraction of task replies ending on one 'Answer: ...' line and an eos token", task_prompts)

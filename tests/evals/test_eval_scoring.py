@@ -53,6 +53,9 @@ def test_task_accuracy_counts_right_and_wrong_per_task():
     ("The sum is 42. Answer: 42", True, False),  # prose before the answer
     ("Answer:", True, False),  # no answer
     ("answer: 42", True, False),
+    ("2+0=2\n3+1+0=4\nAnswer: 42", True, True),  # work lines, then the answer line
+    ("2+0=2\n\nAnswer: 42", True, False),  # a blank line inside the reply
+    ("Answer: 42\nso 42", True, False),  # the answer is not the last line
 ])
 def test_format_adherence(reply, stopped, ok):
     assert is_format_adherent(reply, stopped) is ok

@@ -58,7 +58,7 @@ def test_schemas_follow_the_contract(micro_data_dir: Path) -> None:
     for r in read_jsonl(micro_data_dir / "grpo_train.jsonl"):
         assert set(r) == {"prompt", "answer", "task"} and _messages_ok(r["prompt"], {"user"})
     for r in read_jsonl(micro_data_dir / "tasks_heldout.jsonl"):
-        assert set(r) == {"id", "task", "prompt", "answer"} and all(isinstance(v, str) for v in r.values())
+        assert set(r) == {"id", "task", "prompt", "answer", "work"} and all(isinstance(v, str) for v in r.values())
     for r in read_jsonl(micro_data_dir / "safety_heldout.jsonl"):
         assert set(r) == {"id", "prompt", "category", "should_refuse"}
         assert r["should_refuse"] == (r["category"] == "harmful")
@@ -86,6 +86,18 @@ def _solve(prompt: str) -> TaskExample | None:
     return None
 
 
+def _teaches(reply: str, ex: TaskExample) -> bool:
+    """The reply ends on ``Answer: <the right answer>``; every work line before it is true arithmetic."""
+    *work, last = reply.split("\n")
+    if last != f"Answer: {ex.answer}":
+        return False
+    for line in work:
+        terms, total = line.split("=")
+        if sum(int(t) for t in terms.split("+")) != int(total):
+            return False
+    return ex.task != "addition" or len(work) == 2
+
+
 def test_replies_teach_the_answer_format_and_refusals(micro_data_dir: Path) -> None:
     sft = read_jsonl(micro_data_dir / "sft_train.jsonl")
     refusals = [r for r in sft if r["messages"][-1]["content"] == REFUSAL]
@@ -94,7 +106,7 @@ def test_replies_teach_the_answer_format_and_refusals(micro_data_dir: Path) -> N
     for r in sft:
         ex = _solve(r["messages"][0]["content"])
         if ex is not None:
-            assert r["messages"][-1]["content"] == f"Answer: {ex.answer}"
+            assert _teaches(r["messages"][-1]["content"], ex), r
             solved += 1
     assert solved >= len(sft) // 2
     kinds = {"wrong": 0, "format": 0}
@@ -102,9 +114,9 @@ def test_replies_teach_the_answer_format_and_refusals(micro_data_dir: Path) -> N
         chosen, rejected = r["chosen"][0]["content"], r["rejected"][0]["content"]
         ex = _solve(r["prompt"][0]["content"])
         if ex is not None:
-            assert chosen == f"Answer: {ex.answer}" and not (check_answer(ex, rejected)
-                                                             and rejected.startswith("Answer:"))
-            kinds["wrong" if rejected.startswith("Answer:") else "format"] += 1
+            well_formed = "Answer:" in rejected
+            assert _teaches(chosen, ex) and not (check_answer(ex, rejected) and well_formed)
+            kinds["wrong" if well_formed else "format"] += 1
         else:
             assert is_refusal(chosen) != is_refusal(rejected)
     assert kinds["wrong"] and kinds["format"]

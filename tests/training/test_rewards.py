@@ -20,12 +20,15 @@ def chat(text: str) -> list[dict[str, str]]:
     return [{"role": "assistant", "content": text}]
 
 
-def test_extract_answer_accepts_only_one_answer_line():
+def test_extract_answer_requires_work_lines_then_one_answer_line():
     assert extract_answer("Answer: 42") == "42"
     assert extract_answer("  Answer: olleh \n") == "olleh"
     assert extract_answer("The answer is 42") is None
     assert extract_answer("Answer: 42\nAnswer: 43") is None
     assert extract_answer("Answer:") is None
+    assert extract_answer("7+5=12\n1+2+1=4\nAnswer: 42") == "42"  # work lines come first
+    assert extract_answer("7+5=12\n\nAnswer: 42") is None
+    assert extract_answer("Answer: 42\nthat is all") is None
 
 
 def test_correctness_uses_task_aware_comparison():

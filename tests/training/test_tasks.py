@@ -8,8 +8,10 @@ from training.tasks import (
     REFUSAL,
     TASKS,
     TaskExample,
+    addition_work,
     answer_matches,
     check_answer,
+    contract_answer,
     generate_examples,
     generate_safety,
     is_refusal,
@@ -43,6 +45,21 @@ def test_answers_are_right() -> None:
     for ex in generate_examples("reverse", "train", 50):
         word = ex.prompt.rsplit(" ", 1)[-1]
         assert ex.answer == word[::-1] and word.isalpha() and word.islower()
+
+
+def test_column_work_gives_every_sum_and_the_carry_slip_only_when_there_is_a_carry() -> None:
+    for a in range(10, 100):
+        for b in range(10, 100):
+            work, answer = addition_work(a, b)
+            units, tens = work.split("\n")
+            assert int(answer) == a + b
+            assert units.startswith(f"{a % 10}+{b % 10}=") and tens.startswith(f"{a // 10}+{b // 10}+")
+            slip_work, slip = addition_work(a, b, carry_slip=True)
+            assert (slip != answer) == (a % 10 + b % 10 >= 10)
+    ex = generate_examples("addition", "train", 1)[0]
+    assert ex.reply == f"{ex.work}\nAnswer: {ex.answer}" and contract_answer(ex.reply) == ex.answer
+    word = generate_examples("reverse", "train", 1)[0]
+    assert word.reply == f"Answer: {word.answer}" and word.work == ""
 
 
 def test_split_of_is_stable_and_roughly_balanced() -> None:
