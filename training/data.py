@@ -59,6 +59,9 @@ class DataConfig:
     heldout_per_task: int = 100
     safety_train_per_category: int = 40
     safety_heldout_per_category: int = 16
+    # Look-alike pairs in the DPO set (chosen: help, rejected: refusal); None = as many as harmful pairs.
+    # Fewer keep DPO from pushing refusals down everywhere (a tiny model cannot tell the contexts apart well).
+    safety_pref_lookalikes: int | None = None
     text_heldout: int = 200
     calibration: int = 128
     seed: int = 0
@@ -77,6 +80,8 @@ class DataConfig:
                      "text_heldout", "calibration"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.safety_pref_lookalikes is not None and self.safety_pref_lookalikes < 0:
+            raise ValueError(f"safety_pref_lookalikes: must be >= 0, got {self.safety_pref_lookalikes}")
 
 
 def micro_data_config() -> DataConfig:
@@ -171,6 +176,14 @@ def grpo_record(example: TaskExample) -> dict[str, Any]:
     return {"prompt": _user(example.prompt), "answer": example.answer, "task": example.task}
 
 
+def _preference_safety(examples: list[SafetyExample], lookalikes: int | None) -> list[SafetyExample]:
+    """All harmful examples and the first ``lookalikes`` look-alikes (all of them when None)."""
+    if lookalikes is None:
+        return examples
+    harmful = [ex for ex in examples if ex.should_refuse]
+    return harmful + [ex for ex in examples if not ex.should_refuse][:lookalikes]
+
+
 # --- the stage ---------------------------------------------------------------------------------------------
 
 def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
@@ -209,7 +222,7 @@ def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
         "sft": [sft_record(ex.prompt, ex.reply) for ex in sft_tasks]
         + [sft_record(ex.prompt, safety_reply(ex)) for ex in safety_train],
         "preference": [task_pref_record(ex, rng, i) for i, ex in enumerate(pref_tasks)]
-        + [safety_pref_record(ex) for ex in safety_train],
+        + [safety_pref_record(ex) for ex in _preference_safety(safety_train, config.safety_pref_lookalikes)],
         "grpo": [grpo_record(ex) for ex in grpo_tasks],
     }
     local_paths = {"sft": config.sft_path, "preference": config.preference_path, "grpo": config.grpo_path}

@@ -167,3 +167,17 @@ def test_bad_local_file_fails_before_writing(tmp_path: Path) -> None:
 def test_bad_config_names_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         DataConfig(**kwargs)
+
+
+def test_dpo_set_can_hold_fewer_lookalike_pairs_than_harmful_ones(tmp_path: Path) -> None:
+    def safety_pairs(config) -> tuple[int, int]:
+        rows = read_jsonl(build_datasets(config, tmp_path / "d").path / "pref_train.jsonl")
+        chosen = [r["chosen"][0]["content"] for r in rows if _solve(r["prompt"][0]["content"]) is None]
+        return sum(c == REFUSAL for c in chosen), sum(c != REFUSAL for c in chosen)
+
+    config = replace(micro_data_config(), safety_train_per_category=6)
+    assert safety_pairs(config) == (6, 6)
+    assert safety_pairs(replace(config, safety_pref_lookalikes=2)) == (6, 2)
+    assert safety_pairs(replace(config, safety_pref_lookalikes=0)) == (6, 0)
+    with pytest.raises(ValueError, match="^safety_pref_lookalikes"):
+        replace(config, safety_pref_lookalikes=-1)
