@@ -5,8 +5,9 @@ first, then the prefill chunks, with ``position_ids`` giving each token's positi
 sequence. For every layer this function
 1. scatters the new K/V into the preallocated cache with one ``index_copy_`` over the slot mapping;
 2. runs the decode queries: with ``cpu_kernels.paged_decode`` (C++, fp32 CPU) in one call that reads
-   every sequence's K/V straight from its blocks (whole decode step at B=64, contexts 32-512: 47.8 ->
-   33.8 ms); otherwise in a few SDPA calls, one per group of decodes with similar context length
+   every sequence's K/V straight from its blocks (whole decode step at B=64, contexts 32-512: 42.8 ->
+   30.3 ms, ``benchmarks/decode_step.py``); otherwise in a few SDPA calls, one per group of decodes
+   with similar context length
    (``bucket_by_length``), each over its sequences' K/V gathered into a padded tensor (whole-block
    ``index_select`` by block table, a key-padding mask), grouping query heads per KV head for GQA.
    One padded call over all decodes gathered ~1/3 padding at the benchmark's mix of lengths and was

@@ -161,8 +161,9 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor([t + [0] * (nblk - len(t)) for t in decode_tables],
                                                     dtype=torch.long, device=dev)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            decode_lens = []  # no groups
-        for rows in bucket_by_length(decode_lens, bs):  # decodes of similar length share one padded gather
+        # torch path: decodes of similar length share one padded gather (the kernel needs no groups)
+        groups = bucket_by_length(decode_lens, bs) if meta.decode_kernel is None else []
+        for rows in groups:
             glens = [decode_lens[r] for r in rows]
             nblk = -(-max(glens) // bs)
             tab = [decode_tables[r][:nblk] + [0] * (nblk - min(len(decode_tables[r]), nblk)) for r in rows]
