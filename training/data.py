@@ -173,7 +173,11 @@ def safety_pref_record(example: SafetyExample) -> dict[str, Any]:
 
 
 def grpo_record(example: TaskExample) -> dict[str, Any]:
-    return {"prompt": _user(example.prompt), "answer": example.answer, "task": example.task}
+    """A GRPO prompt with what its rewards check: the answer, and the reference work lines if the task has any."""
+    record: dict[str, Any] = {"prompt": _user(example.prompt), "answer": example.answer, "task": example.task}
+    if example.work:
+        record["work"] = example.work
+    return record
 
 
 def _preference_safety(examples: list[SafetyExample], lookalikes: int | None) -> list[SafetyExample]:

@@ -26,7 +26,8 @@ def _to_rows(records: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
             prompt = [{"role": "user", "content": prompt}]
         if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
             raise TrainingError(f"{path}: record {i}: 'prompt' must be a user message or a list of chat turns")
-        rows.append({"prompt": prompt, "answer": str(record["answer"]), "task": str(record.get("task", ""))})
+        rows.append({"prompt": prompt, "answer": str(record["answer"]), "task": str(record.get("task", "")),
+                     "work": str(record.get("work", ""))})
     return rows
 
 
@@ -45,7 +46,8 @@ def _build_trainer(ctx: StageContext):
 
     cfg: GRPOStageConfig = ctx.config
     funcs, weights = build_reward_functions(cfg.correctness_weight, cfg.format_weight, cfg.length_penalty,
-                                            cfg.length_target_tokens, _eos_ids(ctx), cfg.partial_credit_weight)
+                                            cfg.length_target_tokens, _eos_ids(ctx), cfg.partial_credit_weight,
+                                            cfg.work_weight)
     args = GRPOConfig(
         **{**ctx.args, "remove_unused_columns": False},  # the rewards read the `answer` and `task` columns
         num_generations=cfg.num_generations,
@@ -92,7 +94,8 @@ def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, label in [("reward", "total (weighted)"), ("rewards/correctness_reward/mean", "correctness"),
                        ("rewards/format_reward/mean", "format"),
-                       ("rewards/partial_credit_reward/mean", "partial credit")]:
+                       ("rewards/partial_credit_reward/mean", "partial credit"),
+                       ("rewards/work_reward/mean", "work lines")]:
         pts = [(row["step"], row[key]) for row in history if key in row and "step" in row]
         if pts:
             ax.plot(*zip(*pts), marker="o", markersize=2, label=label)

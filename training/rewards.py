@@ -69,6 +69,32 @@ def partial_credit_reward(completions: Sequence[Any], answer: Sequence[str], **_
     return [_similarity(parse_answer(completion_text(c)), ref) for c, ref in zip(completions, answer)]
 
 
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.strip().split("\n")]
+
+
+def work_reward(completions: Sequence[Any], answer: Sequence[str], work: Sequence[str] | None = None,
+                **_: Any) -> list[float]:
+    """Process reward: the share of the reference solution's lines (its work lines, then ``Answer: X``) that
+    the reply writes in the same place; extra or missing lines count against it.
+
+    Why: on a worked sum the final answer is wrong whenever one column line is, so answer correctness says
+    only *that* a reply failed. Checking each line says *where*, and a group whose replies all miss the answer
+    still ranks the one that got two columns right above the one that got none. The reference work is computed
+    by the task generator (the ``work`` column), so this stays verifiable; rows without work are scored on the
+    answer line alone.
+    """
+    from training.tasks import compose_reply
+
+    works = list(work) if work is not None else [""] * len(completions)
+    scores = []
+    for completion, ref_answer, ref_work in zip(completions, answer, works):
+        expected = _lines(compose_reply(str(ref_work or ""), str(ref_answer)))
+        got = _lines(completion_text(completion))
+        scores.append(sum(g == e for g, e in zip(got, expected)) / max(len(got), len(expected)))
+    return scores
+
+
 def make_format_reward(eos_token_ids: Sequence[int]) -> Callable[..., list[float]]:
     """Reward 1.0 for a reply that keeps the contract and ended on an eos id (not on the token limit)."""
     eos = set(int(i) for i in eos_token_ids)
@@ -103,7 +129,7 @@ def make_length_penalty(per_token: float, target_tokens: int) -> Callable[..., l
 
 def build_reward_functions(correctness_weight: float, format_weight: float, length_penalty: float,
                            length_target_tokens: int, eos_token_ids: Sequence[int],
-                           partial_credit_weight: float = 0.0
+                           partial_credit_weight: float = 0.0, work_weight: float = 0.0
                            ) -> tuple[list[Callable[..., list[float]]], list[float]]:
     """The reward functions a GRPO recipe asks for and their weights (a zero weight drops the function)."""
     funcs: list[Callable[..., list[float]]] = []
@@ -114,6 +140,9 @@ def build_reward_functions(correctness_weight: float, format_weight: float, leng
     if partial_credit_weight > 0:
         funcs.append(partial_credit_reward)
         weights.append(partial_credit_weight)
+    if work_weight > 0:
+        funcs.append(work_reward)
+        weights.append(work_weight)
     if format_weight > 0:
         funcs.append(make_format_reward(eos_token_ids))
         weights.append(format_weight)
@@ -121,6 +150,6 @@ def build_reward_functions(correctness_weight: float, format_weight: float, leng
         funcs.append(make_length_penalty(length_penalty, length_target_tokens))
         weights.append(1.0)
     if not funcs:
-        raise ValueError("correctness_weight/format_weight/partial_credit_weight/length_penalty: at least one "
+        raise ValueError("correctness_weight/format_weight/partial_credit_weight/work_weight/length_penalty: at least one "
                          "reward must be on")
     return funcs, weights

@@ -126,6 +126,7 @@ class GRPOStageConfig(_StageBase):
     correctness_weight: float = 1.0
     format_weight: float = 0.2
     partial_credit_weight: float = 0.0  # dense shaping: share of answer characters in place (weak policies)
+    work_weight: float = 0.0  # process reward: share of the reference solution's lines written in place
     length_penalty: float = 0.0  # reward −length_penalty per completion token beyond `length_target_tokens`
     length_target_tokens: int = 8
     num_iterations: int = 1
@@ -139,7 +140,8 @@ class GRPOStageConfig(_StageBase):
             raise ValueError(
                 f"batch_size: must be a multiple of num_generations ({self.num_generations}), got {self.batch_size}"
             )
-        for name in ("beta", "length_penalty", "correctness_weight", "format_weight", "partial_credit_weight"):
+        for name in ("beta", "length_penalty", "correctness_weight", "format_weight", "partial_credit_weight",
+                     "work_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 

@@ -124,6 +124,7 @@ def _load_tokenizer(model_dir: Path):
 
 _SUMMARY_KEYS = ("loss", "reward", "kl", "mean_token_accuracy", "rewards/accuracies", "rewards/margins",
                  "rewards/correctness_reward/mean", "rewards/format_reward/mean", "rewards/partial_credit_reward/mean",
+                 "rewards/work_reward/mean",
                  "rewards/length_penalty/mean",
                  "completions/mean_length", "frac_reward_zero_std")
 

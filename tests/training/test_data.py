@@ -19,7 +19,15 @@ from training.data import (
     read_jsonl,
 )
 from training.loaders import DatasetError
-from training.tasks import REFUSAL, TaskExample, check_answer, is_refusal
+from training.tasks import (
+    REFUSAL,
+    SUM_TASKS,
+    TaskExample,
+    addition_operands,
+    addition_work,
+    check_answer,
+    is_refusal,
+)
 from training.tokenizer import render_chat
 
 
@@ -56,7 +64,11 @@ def test_schemas_follow_the_contract(micro_data_dir: Path) -> None:
             assert _messages_ok(r["chosen"], {"assistant"}) and _messages_ok(r["rejected"], {"assistant"})
             assert r["chosen"] != r["rejected"]
     for r in read_jsonl(micro_data_dir / "grpo_train.jsonl"):
-        assert set(r) == {"prompt", "answer", "task"} and _messages_ok(r["prompt"], {"user"})
+        assert set(r) - {"work"} == {"prompt", "answer", "task"} and _messages_ok(r["prompt"], {"user"})
+        if r["task"] in SUM_TASKS:  # the work reward checks each line against this
+            assert r["work"] == addition_work(*addition_operands(r["prompt"][0]["content"]))[0]
+        else:
+            assert "work" not in r
     for r in read_jsonl(micro_data_dir / "tasks_heldout.jsonl"):
         assert set(r) == {"id", "task", "prompt", "answer", "work"} and all(isinstance(v, str) for v in r.values())
     for r in read_jsonl(micro_data_dir / "safety_heldout.jsonl"):

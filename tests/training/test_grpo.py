@@ -18,13 +18,14 @@ def tiny_grpo(**overrides) -> GRPOStageConfig:
 
 
 def test_grpo_logs_rewards_and_plots_the_curve(micro_base_dir, micro_data_dir, tmp_path):
-    result = run_grpo(tiny_grpo(partial_credit_weight=0.5), micro_base_dir, micro_data_dir, tmp_path / "grpo")
+    result = run_grpo(tiny_grpo(partial_credit_weight=0.5, work_weight=0.5), micro_base_dir, micro_data_dir, tmp_path / "grpo")
     rows = [row for row in result.log_history if "reward" in row]
     assert len(rows) == 3
     for row in rows:
         assert 0.0 <= row["rewards/correctness_reward/mean"] <= 1.0
         assert 0.0 <= row["rewards/format_reward/mean"] <= 1.0
         assert 0.0 <= row["rewards/partial_credit_reward/mean"] <= 1.0
+        assert 0.0 <= row["rewards/work_reward/mean"] <= 1.0  # reads the `work` column of grpo_train.jsonl
         assert row["completions/max_length"] <= 8
         assert "kl" in row  # beta > 0: KL against the input model is computed
     plot = result.output_dir / PLOT_NAME
@@ -42,7 +43,8 @@ def test_grpo_data_without_answers_is_one_clear_error(micro_base_dir, tmp_path):
 @pytest.mark.parametrize("overrides,field", [({"batch_size": 6, "num_generations": 4}, "batch_size"),
                                              ({"num_generations": 1, "batch_size": 4}, "num_generations"),
                                              ({"beta": -0.1}, "beta"),
-                                             ({"partial_credit_weight": -1.0}, "partial_credit_weight")])
+                                             ({"partial_credit_weight": -1.0}, "partial_credit_weight"),
+                                             ({"work_weight": -0.5}, "work_weight")])
 def test_grpo_config_rejects_bad_values(overrides, field):
     with pytest.raises(ValueError, match=field):
         GRPOStageConfig(**overrides)

@@ -11,6 +11,7 @@ from training.rewards import (
     make_format_reward,
     make_length_penalty,
     partial_credit_reward,
+    work_reward,
 )
 
 EOS = [6, 1]
@@ -43,6 +44,25 @@ def test_partial_credit_counts_characters_in_place():
     assert partial_credit_reward(completions, answer=["olleh"] * 4) == pytest.approx([1.0, 0.8, 0.4, 0.0])
 
 
+def test_work_reward_scores_each_line_of_the_reference_solution_in_place():
+    work = "7+5=12\n3+4+1=8"  # 37 + 45
+    completions = [
+        chat("7+5=12\n3+4+1=8\nAnswer: 82"),   # every line right
+        chat("7+5=12\n3+3+1=7\nAnswer: 72"),   # the tens column miscopied: 1 of 3 lines right
+        chat("7+5=12\n3+4+1=8\nAnswer: 82\nx"),  # an extra line counts against it
+        chat("Answer: 82"),                      # the answer without its work, out of place
+        chat("nothing"),
+    ]
+    scores = work_reward(completions, answer=["82"] * 5, work=[work] * 5)
+    assert scores == pytest.approx([1.0, 1 / 3, 3 / 4, 0.0, 0.0])
+
+
+def test_work_reward_without_work_scores_the_answer_line():
+    completions = [chat("Answer: olleh"), chat("Answer: hello"), chat("olleh\nAnswer: olleh")]
+    assert work_reward(completions, answer=["olleh"] * 3) == pytest.approx([1.0, 0.0, 0.0])
+    assert work_reward(completions, answer=["olleh"] * 3, work=["", "", ""]) == pytest.approx([1.0, 0.0, 0.0])
+
+
 def test_format_reward_needs_one_line_and_an_eos_stop():
     reward = make_format_reward(EOS)
     completions = [chat("Answer: 5"), chat("Answer: 5"), chat("Sure, 5"), chat("Answer: 5\nmore")]
@@ -59,9 +79,9 @@ def test_length_penalty_counts_tokens_beyond_target():
 def test_build_reward_functions_drops_zero_weights():
     funcs, weights = build_reward_functions(1.0, 0.0, 0.0, 8, EOS)
     assert [f.__name__ for f in funcs] == ["correctness_reward"] and weights == [1.0]
-    funcs, weights = build_reward_functions(1.0, 0.5, 0.01, 8, EOS, partial_credit_weight=0.3)
-    assert [f.__name__ for f in funcs] == ["correctness_reward", "partial_credit_reward", "format_reward",
-                                           "length_penalty"]
-    assert weights == [1.0, 0.3, 0.5, 1.0]
+    funcs, weights = build_reward_functions(1.0, 0.5, 0.01, 8, EOS, partial_credit_weight=0.3, work_weight=0.7)
+    assert [f.__name__ for f in funcs] == ["correctness_reward", "partial_credit_reward", "work_reward",
+                                           "format_reward", "length_penalty"]
+    assert weights == [1.0, 0.3, 0.7, 0.5, 1.0]
     with pytest.raises(ValueError, match="at least one reward"):
         build_reward_functions(0.0, 0.0, 0.0, 8, EOS)
