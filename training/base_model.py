@@ -35,7 +35,7 @@ from training.tokenizer import (
     train_tokenizer,
 )
 
-RECIPE_VERSION = 2  # bump when the corpus or training code changes what a recipe produces
+RECIPE_VERSION = 3  # bump when the corpus or training code changes what a recipe produces
 PRETRAIN_LOG = "pretrain_log.json"
 RECIPE_FILE = "recipe.json"
 

@@ -150,6 +150,6 @@ def build_reward_functions(correctness_weight: float, format_weight: float, leng
         funcs.append(make_length_penalty(length_penalty, length_target_tokens))
         weights.append(1.0)
     if not funcs:
-        raise ValueError("correctness_weight/format_weight/partial_credit_weight/work_weight/length_penalty: at least one "
-                         "reward must be on")
+        raise ValueError("correctness_weight/format_weight/partial_credit_weight/work_weight/length_penalty: "
+                         "at least one reward must be on")
     return funcs, weights

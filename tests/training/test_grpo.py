@@ -18,7 +18,8 @@ def tiny_grpo(**overrides) -> GRPOStageConfig:
 
 
 def test_grpo_logs_rewards_and_plots_the_curve(micro_base_dir, micro_data_dir, tmp_path):
-    result = run_grpo(tiny_grpo(partial_credit_weight=0.5, work_weight=0.5), micro_base_dir, micro_data_dir, tmp_path / "grpo")
+    config = tiny_grpo(partial_credit_weight=0.5, work_weight=0.5)
+    result = run_grpo(config, micro_base_dir, micro_data_dir, tmp_path / "grpo")
     rows = [row for row in result.log_history if "reward" in row]
     assert len(rows) == 3
     for row in rows:
