@@ -85,6 +85,39 @@ def load_records(data_dir: Path, spec: StageSpec, limit: int | None) -> tuple[li
     return records, path
 
 
+def _conversations(row: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """The whole conversations a trainer tokenizes for one row: prompt + completion (SFT), prompt + each side
+    (DPO); none for GRPO, whose length limit is on the generated completion instead."""
+    if "completion" in row:
+        return [row["prompt"] + row["completion"]]
+    if "chosen" in row:
+        return [row["prompt"] + row["chosen"], row["prompt"] + row["rejected"]]
+    return []
+
+
+@dataclass
+class LengthReport:
+    """How many training conversations exceed ``max_seq_len`` and would lose their ends to truncation."""
+
+    examples: int
+    overlong: int
+    longest: int
+    max_seq_len: int
+
+
+def measure_lengths(rows: list[dict[str, Any]], tokenizer: Any, max_seq_len: int) -> LengthReport:
+    """Token length of every conversation the trainer will see, rendered with the model's chat template.
+
+    Why: TRL truncates silently, and a reply cut before its end teaches the model never to finish it (a
+    96-token limit once cut every look-alike safety reply in half, and no stage ever saw one end).
+    """
+    texts = [tokenizer.apply_chat_template(conversation, tokenize=False)
+             for row in rows for conversation in _conversations(row)]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    return LengthReport(examples=len(lengths), overlong=sum(n > max_seq_len for n in lengths),
+                        longest=max(lengths, default=0), max_seq_len=max_seq_len)
+
+
 def _common_args(config: Any, hw: Hardware, checkpoints_dir: Path) -> dict[str, Any]:
     args = {
         "output_dir": str(checkpoints_dir),
@@ -222,6 +255,11 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     configure_threads()
     tokenizer = _load_tokenizer(model_dir)
     model = attach_adapters(load_base_model(model_dir, config.lora, hw), config.lora)  # checks targets, 4-bit
+    lengths = measure_lengths(rows, tokenizer, config.max_seq_len)
+    if lengths.overlong:
+        log.warning("%s: %d of %d training conversations are longer than max_seq_len=%d tokens (longest %d) "
+                    "and will be truncated; raise max_seq_len in the recipe to train on their ends", spec.name,
+                    lengths.overlong, lengths.examples, lengths.max_seq_len, lengths.longest)
 
     output_dir.mkdir(parents=True, exist_ok=True)
     checkpoints_dir, resume_from = prepare_checkpoints(output_dir, fingerprint)
@@ -253,6 +291,9 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     metrics = _metrics_from_history(history, train_output)
     metrics["train_wall_seconds"] = round(time.monotonic() - started, 2)
     metrics["resumed_from_step"] = float(resumed_from_step)
+    if lengths.examples:
+        metrics["truncated_examples"] = float(lengths.overlong)
+        metrics["longest_example_tokens"] = float(lengths.longest)
     if spec.after_train is not None:
         metrics.update(spec.after_train(ctx, history))
     metrics.update(before)

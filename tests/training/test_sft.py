@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import mlflow
@@ -13,8 +14,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.checkpoints import MARKER_NAME
-from training.sft import run_sft
+from training.sft import SFT_SPEC, run_sft
 from training.stage_config import LoraSettings, SFTStageConfig, TrainingError
+from training.stages import load_records, measure_lengths
 
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -88,6 +90,22 @@ def test_dataset_without_messages_column_is_one_clear_error(micro_base_dir, tmp_
         run_sft(tiny_sft(), micro_base_dir, tmp_path, tmp_path / "sft")
     with pytest.raises(TrainingError, match="does not exist"):
         run_sft(tiny_sft(), micro_base_dir, tmp_path / "nowhere", tmp_path / "sft")
+
+
+def test_conversations_longer_than_max_seq_len_are_reported(micro_base_dir, micro_data_dir, tmp_path, caplog):
+    rows = SFT_SPEC.to_rows(*load_records(micro_data_dir, SFT_SPEC, None))
+    tokenizer = AutoTokenizer.from_pretrained(str(micro_base_dir))
+    full = measure_lengths(rows, tokenizer, max_seq_len=10_000)
+    assert full.examples == len(rows) and full.overlong == 0 and full.longest > 40
+    assert measure_lengths(rows, tokenizer, max_seq_len=full.longest).overlong == 0
+    assert measure_lengths(rows, tokenizer, max_seq_len=full.longest - 1).overlong >= 1
+
+    with caplog.at_level(logging.WARNING, logger="training.stages"):
+        result = run_sft(tiny_sft(max_steps=1, max_seq_len=40), micro_base_dir, micro_data_dir, tmp_path / "sft")
+    cut = measure_lengths(rows, tokenizer, max_seq_len=40).overlong
+    assert cut > 0 and result.metrics["truncated_examples"] == cut
+    assert result.metrics["longest_example_tokens"] == full.longest
+    assert f"{cut} of {len(rows)} training conversations are longer than max_seq_len=40" in caplog.text
 
 
 @pytest.mark.slow
