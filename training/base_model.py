@@ -45,8 +45,8 @@ PRESETS: dict[str, dict[str, object]] = {
                   chats_per_task=300, facts_per_task=100, first_task_repeats=1, safety_repeats=1,
                   plain_sentences=200),
     "default": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=512,
-                    steps=500, batch_size=16, seq_len=128, lr=4e-3, warmup_steps=30,
-                    chats_per_task=5000, facts_per_task=1000, first_task_repeats=3, safety_repeats=4,
+                    steps=800, batch_size=16, seq_len=128, lr=4e-3, warmup_steps=30,
+                    chats_per_task=5000, facts_per_task=1000, first_task_repeats=3, safety_repeats=2,
                     plain_sentences=1000),
 }
 
