@@ -49,7 +49,7 @@ def _build_trainer(ctx: StageContext):
                                             cfg.length_target_tokens, _eos_ids(ctx), cfg.partial_credit_weight,
                                             cfg.work_weight)
     args = GRPOConfig(
-        **{**ctx.args, "remove_unused_columns": False},  # the rewards read the `answer` and `task` columns
+        **{**ctx.args, "remove_unused_columns": False},  # the rewards read the `answer`, `task`, `work` columns
         num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length,
         temperature=cfg.temperature,
