@@ -7,6 +7,8 @@ per logging step is plotted to `reward_curve.png` (logged to MLflow) so "reward 
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from training.lora import keep_adapters_fp32
 from training.rewards import build_reward_functions
 from training.stage_config import GRPOStageConfig, StageResult, TrainingError
 from training.stages import EvalFn, StageContext, StageSpec, run_stage
+
+log = logging.getLogger(__name__)
 
 PLOT_NAME = "reward_curve.png"
 
@@ -68,21 +72,68 @@ def _build_trainer(ctx: StageContext):
     return trainer
 
 
-def reward_points(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
-    return [(int(row["step"]), float(row["reward"])) for row in history if "reward" in row and "step" in row]
+def reward_points(history: list[dict[str, Any]], key: str = "reward") -> list[tuple[int, float]]:
+    return [(int(row["step"]), float(row[key])) for row in history if key in row and "step" in row]
+
+
+def _thirds(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Mean of the first and of the last third of a curve: single log rows are too noisy to compare."""
+    third = max(1, len(points) // 3)
+    return (sum(v for _, v in points[:third]) / third, sum(v for _, v in points[-third:]) / third)
+
+
+HACKING_TOLERANCE = 0.02  # correctness drops smaller than this are sampling noise over a few hundred replies
+
+
+@dataclass(frozen=True)
+class RewardTrend:
+    """How the weighted reward and plain answer correctness moved over a GRPO run (first vs last third)."""
+
+    reward_first: float
+    reward_last: float
+    correct_first: float | None
+    correct_last: float | None
+
+    @property
+    def hacked(self) -> bool:
+        """The weighted reward rose while correctness fell: the shaping terms are being gamed.
+
+        Why check: partial credit pays for answer characters in place, so a policy can raise it by writing
+        one plausible answer to every prompt (seen here: every reply became ``Answer: 122`` after 200 steps
+        at lr 2e-3, correctness 0.22 → 0.0, reward up). The reward curve alone then looks like success.
+        """
+        if self.correct_first is None or self.correct_last is None:
+            return False
+        return (self.reward_last > self.reward_first
+                and self.correct_last < self.correct_first - HACKING_TOLERANCE)
+
+
+def reward_trend(history: list[dict[str, Any]]) -> RewardTrend | None:
+    points = reward_points(history)
+    if not points:
+        return None
+    correct = reward_points(history, "rewards/correctness_reward/mean")
+    reward_first, reward_last = _thirds(points)
+    correct_first, correct_last = _thirds(correct) if correct else (None, None)
+    return RewardTrend(reward_first, reward_last, correct_first, correct_last)
 
 
 def _after_train(ctx: StageContext, history: list[dict[str, Any]]) -> dict[str, float]:
-    """Plot the reward curve and summarise it: mean reward over the first and the last third of the logs."""
-    points = reward_points(history)
-    if not points:
+    """Plot the reward curve, summarise it (first vs last third of the logs) and flag reward hacking."""
+    trend = reward_trend(history)
+    if trend is None:
         return {}
     plot_reward_curve(history, ctx.output_dir / PLOT_NAME)
     ctx.artifacts.append(ctx.output_dir / PLOT_NAME)
-    third = max(1, len(points) // 3)
-    first = sum(r for _, r in points[:third]) / third
-    last = sum(r for _, r in points[-third:]) / third
-    return {"reward_first_third": first, "reward_last_third": last, "reward_gain": last - first}
+    metrics = {"reward_first_third": trend.reward_first, "reward_last_third": trend.reward_last,
+               "reward_gain": trend.reward_last - trend.reward_first, "reward_hacking_suspected": float(trend.hacked)}
+    if trend.correct_first is not None and trend.correct_last is not None:
+        metrics.update(correctness_first_third=trend.correct_first, correctness_last_third=trend.correct_last)
+    if trend.hacked:
+        log.warning("grpo: the weighted reward rose %.3f -> %.3f while answer correctness fell %.3f -> %.3f: the "
+                    "shaping rewards are being gamed; lower partial_credit_weight / format_weight or the learning "
+                    "rate", trend.reward_first, trend.reward_last, trend.correct_first, trend.correct_last)
+    return metrics
 
 
 def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:

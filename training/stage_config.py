@@ -125,7 +125,7 @@ class GRPOStageConfig(_StageBase):
     temperature: float = 1.0
     correctness_weight: float = 1.0
     format_weight: float = 0.2
-    partial_credit_weight: float = 0.0  # dense shaping: share of answer characters in place (weak policies)
+    partial_credit_weight: float = 0.0  # dense shaping: answer characters in place; gameable by one stock answer
     work_weight: float = 0.0  # process reward: share of the reference solution's lines written in place
     length_penalty: float = 0.0  # reward −length_penalty per completion token beyond `length_target_tokens`
     length_target_tokens: int = 8

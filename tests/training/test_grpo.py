@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from training.grpo import PLOT_NAME, run_grpo
+from training.grpo import PLOT_NAME, reward_trend, run_grpo
 from training.stage_config import GRPOStageConfig, LoraSettings, TrainingError
 
 
@@ -31,7 +31,8 @@ def test_grpo_logs_rewards_and_plots_the_curve(micro_base_dir, micro_data_dir, t
         assert "kl" in row  # beta > 0: KL against the input model is computed
     plot = result.output_dir / PLOT_NAME
     assert plot.is_file() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert {"reward_first_third", "reward_last_third", "reward_gain"} <= set(result.metrics)
+    assert {"reward_first_third", "reward_last_third", "reward_gain", "reward_hacking_suspected",
+            "correctness_first_third", "correctness_last_third"} <= set(result.metrics)
     assert (result.output_dir / "model.safetensors").is_file()
 
 
@@ -49,3 +50,19 @@ def test_grpo_data_without_answers_is_one_clear_error(micro_base_dir, tmp_path):
 def test_grpo_config_rejects_bad_values(overrides, field):
     with pytest.raises(ValueError, match=field):
         GRPOStageConfig(**overrides)
+
+
+def _history(rewards: list[float], correct: list[float]) -> list[dict]:
+    return [{"step": i + 1, "reward": r, "rewards/correctness_reward/mean": c}
+            for i, (r, c) in enumerate(zip(rewards, correct))]
+
+
+def test_reward_rising_while_correctness_falls_is_flagged_as_hacking():
+    gamed = reward_trend(_history([0.9, 0.9, 1.0, 1.0, 1.1, 1.1], [0.3, 0.3, 0.2, 0.2, 0.0, 0.0]))
+    assert gamed.hacked
+    assert (gamed.correct_first, gamed.correct_last) == (0.3, 0.0)
+    honest = reward_trend(_history([0.9, 0.9, 1.0, 1.0, 1.1, 1.1], [0.3, 0.3, 0.4, 0.4, 0.5, 0.5]))
+    assert not honest.hacked
+    noise = reward_trend(_history([0.9, 0.9, 1.1, 1.1], [0.40, 0.40, 0.39, 0.39]))  # within the tolerance
+    assert not noise.hacked
+    assert reward_trend([{"step": 1, "loss": 0.1}]) is None

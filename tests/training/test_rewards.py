@@ -13,6 +13,7 @@ from training.rewards import (
     partial_credit_reward,
     work_reward,
 )
+from training.tasks import generate_examples
 
 EOS = [6, 1]
 
@@ -55,6 +56,19 @@ def test_work_reward_scores_each_line_of_the_reference_solution_in_place():
     ]
     scores = work_reward(completions, answer=["82"] * 5, work=[work] * 5)
     assert scores == pytest.approx([1.0, 1 / 3, 3 / 4, 0.0, 0.0])
+
+
+def test_one_reply_for_every_prompt_collects_partial_credit_but_no_work_credit():
+    """The hack a collapsed GRPO run found (every reply ``Answer: 122``): partial credit pays it on real sums,
+    the per-problem work lines do not, which is why `work_weight` is the safer dense reward."""
+    problems = generate_examples("addition", "heldout", 200)
+    constant = [chat("3+4=7\n8+8+0=16\nAnswer: 122")] * len(problems)
+    answers, works = [p.answer for p in problems], [p.work for p in problems]
+    partial = partial_credit_reward(constant, answer=answers)
+    work = work_reward(constant, answer=answers, work=works)
+    assert sum(correctness_reward(constant, answer=answers)) / len(problems) < 0.05  # right only where 122 is
+    assert sum(partial) / len(partial) > 0.25
+    assert sum(work) / len(work) < 0.02
 
 
 def test_work_reward_without_work_scores_the_answer_line():
