@@ -26,6 +26,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-examples", type=int, help="cap on records read from each data file")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--samples-per-prompt", type=int, default=4, help="sampled replies per task prompt (default 4)")
+    p.add_argument("--sample-temperature", type=float, default=1.0,
+                   help="temperature of the sampled_task_accuracy replies (default 1.0, the server's default)")
     p.add_argument("--json-out", help="write the results JSON here (atomically)")
     p.add_argument("--gate", action="append", default=[], metavar="EXPR",
                    help="promotion gate such as 'task_accuracy >= 0.4' (repeatable); exit 1 if any fails")
@@ -44,6 +47,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         config = EvalConfig(
             suites=[s.strip() for s in args.suites.split(",") if s.strip()] if args.suites else suite_names(),
             max_examples=args.max_examples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+            samples_per_prompt=args.samples_per_prompt, sample_temperature=args.sample_temperature,
         )
     except ValueError as exc:
         raise EvalError(f"eval: {exc}") from exc

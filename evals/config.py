@@ -12,14 +12,19 @@ class EvalConfig:
     """Which suites to run and how much work to do.
 
     ``max_examples`` caps the records read from each data file (drawn across tasks/categories so every
-    slice survives); ``max_new_tokens`` caps each greedy reply; ``batch_size`` is prompts (or scored
-    sequences) per forward pass.
+    slice survives); ``max_new_tokens`` caps each reply; ``batch_size`` is prompts (or scored
+    sequences) per forward pass. ``sampled_task_accuracy`` draws ``samples_per_prompt`` replies per
+    held-out task at ``sample_temperature`` (1.0: what our server gives a request that names none),
+    seeded by ``sample_seed`` so two models are scored on the same draws.
     """
 
     suites: list[str] = field(default_factory=suite_names)
     max_examples: int | None = None
     max_new_tokens: int = 16
     batch_size: int = 32
+    samples_per_prompt: int = 4
+    sample_temperature: float = 1.0
+    sample_seed: int = 0
 
     def __post_init__(self) -> None:
         known = suite_names()
@@ -39,3 +44,8 @@ class EvalConfig:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.batch_size, bool) or self.batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {self.batch_size!r}")
+        if isinstance(self.samples_per_prompt, bool) or self.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt: must be >= 1, got {self.samples_per_prompt!r}")
+        if isinstance(self.sample_temperature, bool) or not self.sample_temperature > 0:
+            raise ValueError(f"sample_temperature: must be > 0 (0 is the greedy task_accuracy), "
+                             f"got {self.sample_temperature!r}")

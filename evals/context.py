@@ -23,8 +23,12 @@ class EvalContext:
     max_examples: int | None = None
     max_new_tokens: int = 16
     batch_size: int = 32
+    samples_per_prompt: int = 4
+    sample_temperature: float = 1.0
+    sample_seed: int = 0
     _files: dict[str, list[Record]] = field(default_factory=dict, repr=False)
     _replies: dict[str, Generation] = field(default_factory=dict, repr=False)
+    _samples: dict[str, list[Generation]] = field(default_factory=dict, repr=False)
 
     def records(self, filename: str, required: dict[str, type | tuple[type, ...]],
                 stratify: Callable[[Record], str] = lambda r: "",
@@ -42,6 +46,18 @@ class EvalContext:
             fresh = generate_replies(self.lm, todo, self.max_new_tokens, self.batch_size, desc=desc)
             self._replies.update(zip(todo, fresh, strict=True))
         return [self._replies[p] for p in prompts]
+
+    def sample(self, prompts: list[str], desc: str) -> list[list[Generation]]:
+        """``samples_per_prompt`` replies per templated prompt at ``sample_temperature``, seeded, cached
+        like :meth:`generate`; all prompts' samples go through one packed, sorted pass."""
+        todo = list(dict.fromkeys(p for p in prompts if p not in self._samples))
+        if todo:
+            k = self.samples_per_prompt
+            flat = generate_replies(self.lm, [p for p in todo for _ in range(k)], self.max_new_tokens,
+                                    self.batch_size, desc=desc, temperature=self.sample_temperature,
+                                    seed=self.sample_seed)
+            self._samples.update((p, flat[i * k:(i + 1) * k]) for i, p in enumerate(todo))
+        return [self._samples[p] for p in prompts]
 
     def user_prompt(self, content: str) -> str:
         return self.lm.chat_prompt([{"role": "user", "content": content}])

@@ -1,4 +1,4 @@
-"""Batched deterministic greedy generation for the generation-based suites.
+"""Batched generation for the generation-based suites: greedy, or seeded sampling.
 
 Why left padding: a decoder-only model continues from the last position of each row, so every prompt
 must end at the same column. Prompts are sorted by length before batching (less padding, less
@@ -33,29 +33,47 @@ def _batches(order: list[int], size: int) -> list[list[int]]:
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def _greedy_config(lm: LoadedModel, max_new_tokens: int):
-    """A fresh greedy config: a user's sampling defaults (temperature, top_p) must not leak in."""
+def _generation_config(lm: LoadedModel, max_new_tokens: int, temperature: float):
+    """A fresh config: a model's own sampling defaults (temperature, top_p, top_k) must not leak in.
+
+    ``temperature`` 0 is greedy; above 0 it samples from the whole distribution (no top-p, no top-k),
+    as our server does for a request that names only a temperature."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-        eos_token_id=list(lm.eos_ids), pad_token_id=lm.pad_id,
-    )
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {
+        "do_sample": False}
+    return GenerationConfig(max_new_tokens=max_new_tokens, num_beams=1, eos_token_id=list(lm.eos_ids),
+                            pad_token_id=lm.pad_id, **sampling)
 
 
 def generate_replies(lm: LoadedModel, prompts: list[str], max_new_tokens: int, batch_size: int,
-                     desc: str = "generate") -> list[Generation]:
-    """Greedy replies to already-templated ``prompts``, stopping at any of the model's eos ids."""
+                     desc: str = "generate", temperature: float = 0.0, seed: int = 0) -> list[Generation]:
+    """Replies to already-templated ``prompts``, stopping at any of the model's eos ids.
+
+    Greedy by default. With ``temperature`` > 0 the replies are sampled from a generator seeded with
+    ``seed`` (forked, so the caller's random state is untouched): the same prompts give the same replies
+    on every run on the same device, which is what lets two models' sampled scores be compared."""
+    if temperature < 0:
+        raise EvalError(f"temperature must be >= 0, got {temperature}")
     budget = lm.max_context - max_new_tokens
     if budget < 1:
         raise EvalError(f"{lm.model_dir}: max_new_tokens={max_new_tokens} leaves no room for a prompt "
                         f"in a context of {lm.max_context} tokens")
     encoded = [lm.encode(p)[-budget:] for p in prompts]  # keep the end: it holds the generation prompt
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]), reverse=True)
-    config = _greedy_config(lm, max_new_tokens)
+    config = _generation_config(lm, max_new_tokens, temperature)
+    out: list[Generation | None] = [None] * len(prompts)
+    cuda = [lm.device] if lm.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        _generate_batches(lm, encoded, order, config, batch_size, desc, out)
+    return [g for g in out if g is not None]
+
+
+def _generate_batches(lm: LoadedModel, encoded: list[list[int]], order: list[int], config, batch_size: int,
+                      desc: str, out: list[Generation | None]) -> None:
     eos = set(lm.eos_ids)
     special = set(lm.tokenizer.all_special_ids)
-    out: list[Generation | None] = [None] * len(prompts)
     for batch in tqdm(_batches(order, batch_size), desc=desc, unit="batch"):
         width = max(len(encoded[i]) for i in batch)
         ids = torch.full((len(batch), width), lm.pad_id, dtype=torch.long)
@@ -78,4 +96,3 @@ def generate_replies(lm: LoadedModel, prompts: list[str], max_new_tokens: int, b
                 n_tokens=len(reply) + (stop is not None),
                 n_special=sum(t in special for t in reply),
             )
-    return [g for g in out if g is not None]

@@ -14,6 +14,7 @@ from flows.stage_runner import StageOutput
 # Columns of the eval table, in reading order; a metric a suite did not produce shows as "–".
 HEADLINE_METRICS = (
     "task_accuracy",
+    "sampled_task_accuracy",
     "format_adherence",
     "preference_accuracy",
     "refusal_rate",
@@ -23,6 +24,7 @@ HEADLINE_METRICS = (
 # Short column titles for the terminal table (full metric names stay in markdown and MLflow).
 SHORT_TITLES = {
     "task_accuracy": "task acc",
+    "sampled_task_accuracy": "sampled acc",
     "format_adherence": "format",
     "preference_accuracy": "pref acc",
     "refusal_rate": "refusal",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from evals.suites import format_adherence, perplexity, preference, safety, task_accuracy
+from evals.suites import format_adherence, perplexity, preference, safety, sampled_task_accuracy, task_accuracy
 from evals.suites.base import Suite
 
 SUITES: dict[str, Suite] = {
     s.name: s
-    for s in (task_accuracy.SUITE, format_adherence.SUITE, safety.SUITE, perplexity.SUITE, preference.SUITE)
+    for s in (task_accuracy.SUITE, sampled_task_accuracy.SUITE, format_adherence.SUITE, safety.SUITE,
+              perplexity.SUITE, preference.SUITE)
 }
 
 

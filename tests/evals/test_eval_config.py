@@ -11,8 +11,8 @@ from evals.suites import suite_names
 def test_defaults_run_every_suite():
     config = EvalConfig()
     assert config.suites == suite_names()
-    assert set(suite_names()) == {"task_accuracy", "format_adherence", "safety", "perplexity",
-                                  "preference_accuracy"}
+    assert set(suite_names()) == {"task_accuracy", "sampled_task_accuracy", "format_adherence", "safety",
+                                  "perplexity", "preference_accuracy"}
     config.suites.append("x")  # the default list is not shared between instances
     assert EvalConfig().suites == suite_names()
 
@@ -29,7 +29,8 @@ def test_unknown_suite_is_named_with_the_known_ones():
     ({"suites": []}, "suites"), ({"suites": "safety"}, "suites"),
     ({"suites": ["safety", "safety"]}, "suites"),
     ({"max_examples": 0}, "max_examples"), ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"batch_size": 0}, "batch_size"),
+    ({"batch_size": 0}, "batch_size"), ({"samples_per_prompt": 0}, "samples_per_prompt"),
+    ({"sample_temperature": 0.0}, "sample_temperature"), ({"sample_temperature": -1}, "sample_temperature"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):

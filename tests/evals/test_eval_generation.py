@@ -1,8 +1,9 @@
-"""Batched greedy generation: left padding must not change any reply; stop reasons are reported."""
+"""Batched generation: left padding must not change any reply; stop reasons are reported; sampling is seeded."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from eval_testutil import read_jsonl
 
 from evals.errors import EvalError
@@ -43,3 +44,25 @@ def test_over_long_prompt_keeps_its_end(micro_lm):
     assert gen.n_tokens <= 4
     with pytest.raises(EvalError, match="max_new_tokens"):
         generate_replies(micro_lm, ["x"], max_new_tokens=micro_lm.max_context, batch_size=1)
+
+
+def test_sampling_is_seeded_and_leaves_the_callers_random_state_alone(micro_lm, prompts):
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first = generate_replies(micro_lm, prompts * 3, max_new_tokens=12, batch_size=8, temperature=1.0, seed=7)
+    assert torch.equal(torch.rand(3), expected_next)  # the caller's generator did not move
+    again = generate_replies(micro_lm, prompts * 3, max_new_tokens=12, batch_size=8, temperature=1.0, seed=7)
+    other = generate_replies(micro_lm, prompts * 3, max_new_tokens=12, batch_size=8, temperature=1.0, seed=8)
+    assert first == again and first != other
+    greedy = generate_replies(micro_lm, prompts, max_new_tokens=12, batch_size=8)
+    assert [g.text for g in first] != [g.text for g in greedy] * 3  # it samples: not the greedy replies
+    assert len({g.text for g in first[::len(prompts)]}) > 1  # one prompt, three different draws
+
+
+def test_near_zero_temperature_samples_the_greedy_replies(micro_lm, prompts):
+    greedy = generate_replies(micro_lm, prompts, max_new_tokens=12, batch_size=8)
+    cold = generate_replies(micro_lm, prompts, max_new_tokens=12, batch_size=8, temperature=1e-4, seed=3)
+    assert cold == greedy
+    with pytest.raises(EvalError, match="temperature"):
+        generate_replies(micro_lm, prompts, max_new_tokens=4, batch_size=8, temperature=-1.0)

@@ -13,8 +13,8 @@ from evals.errors import EvalError
 from evals.results import metrics_dict
 from evals.runner import run_evals
 
-EXPECTED_METRICS = ["task_accuracy", "format_adherence", "refusal_rate", "over_refusal_rate", "perplexity",
-                    "preference_accuracy"]
+EXPECTED_METRICS = ["task_accuracy", "sampled_task_accuracy", "task_pass_at_k", "format_adherence", "refusal_rate",
+                    "over_refusal_rate", "perplexity", "preference_accuracy"]
 
 
 def test_full_run_reports_every_metric_over_every_record(micro_results, micro_data_dir):
@@ -22,7 +22,7 @@ def test_full_run_reports_every_metric_over_every_record(micro_results, micro_da
     assert [r.metric for r in micro_results] == EXPECTED_METRICS
     tasks = read_jsonl(micro_data_dir / "tasks_heldout.jsonl")
     safety = read_jsonl(micro_data_dir / "safety_heldout.jsonl")
-    for name in ("task_accuracy", "format_adherence"):
+    for name in ("task_accuracy", "sampled_task_accuracy", "task_pass_at_k", "format_adherence"):
         result = by_metric[name]
         assert result.n == len(tasks) and 0.0 <= result.value <= 1.0
         assert {k: s.n for k, s in result.slices.items()} == {

@@ -1,4 +1,4 @@
-"""Likelihood suites on the real micro model: perplexity and preference accuracy."""
+"""Suites on the real micro model: perplexity, preference accuracy and sampled task accuracy."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 from eval_testutil import read_jsonl, write_jsonl
 
 from evals.context import EvalContext
-from evals.suites import perplexity, preference
+from evals.suites import perplexity, preference, sampled_task_accuracy, task_accuracy
 from evals.suites.perplexity import windows
+from evals.suites.sampled_task_accuracy import score_samples
 
 
 def _garbage(rng: random.Random, n_chars: int) -> str:
@@ -102,3 +103,30 @@ def test_likelihood_batches_respect_the_logits_budget(monkeypatch, micro_lm):
     items = [([1, 2], [3, 4, 5]), ([7], [8]), ([1, 2], [3, 4, 5])]
     small = logprobs.completion_logprobs(micro_lm, items, batch_size=8)
     assert small[0] == pytest.approx(small[2]) and all(v < 0 for v in small)
+
+
+def test_sampled_accuracy_is_the_mean_over_draws_and_pass_at_k_any_right():
+    records = [{"task": "addition", "answer": "5"}, {"task": "addition", "answer": "7"},
+               {"task": "reverse", "answer": "cba"}]
+    samples = [["Answer: 5", "Answer: 5", "Answer: 6", "Answer: 5"],  # 3 of 4
+               ["Answer: 1", "Answer: 2", "Answer: 3", "nothing"],  # none
+               ["Answer: cba", "Answer: abc", "Answer: abc", "Answer: abc"]]  # 1 of 4
+    sampled, any_right = score_samples(records, samples)
+    assert sampled.metric == "sampled_task_accuracy" and any_right.metric == "task_pass_at_k"
+    assert sampled.value == pytest.approx((0.75 + 0.0 + 0.25) / 3) and sampled.n == 3
+    assert any_right.value == pytest.approx(2 / 3)
+    assert sampled.slices["addition"].value == pytest.approx(0.375) and sampled.slices["reverse"].n == 1
+
+
+def test_sampled_suite_draws_k_replies_per_prompt_and_tends_to_greedy_when_cold(micro_lm, micro_data_dir):
+    hot = _context(micro_lm, micro_data_dir, max_new_tokens=24, samples_per_prompt=3, sample_temperature=1.0)
+    records = read_jsonl(micro_data_dir / "tasks_heldout.jsonl")
+    prompts = [hot.user_prompt(r["prompt"]) for r in records]
+    sampled, any_right = sampled_task_accuracy.run(hot)
+    assert sampled.n == any_right.n == len(records)
+    assert all(len(draws) == 3 for draws in hot.sample(prompts, desc="again"))  # cached: the same draws
+    assert 0.0 <= sampled.value <= any_right.value <= 1.0
+    cold = _context(micro_lm, micro_data_dir, max_new_tokens=24, samples_per_prompt=2, sample_temperature=1e-4)
+    cold_sampled, cold_any = sampled_task_accuracy.run(cold)
+    (greedy,) = task_accuracy.run(cold)
+    assert cold_sampled.value == cold_any.value == greedy.value  # argmax draws are the greedy replies
