@@ -19,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.environment import Workdir, resolve_workdir
 from flows.recipe import Recipe, load_recipe
-from flows.report import PipelineReport
+from flows.report import PipelineReport, stage_change_note
 from flows.stage_runner import StageOutput, StageWork, console, is_complete, run_stage, stage_key
 
 
@@ -249,7 +249,7 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
         report.add_stage(data)
         report.add_eval("base", eval_stage(ctx, "base", base, data))
 
-        model = base
+        model, model_label = base, "base"
         for name in ("sft", "dpo", "grpo"):
             if not getattr(recipe.training, name).enabled:
                 console.print(f"[yellow]- {name}[/] disabled in the recipe", highlight=False)
@@ -257,6 +257,9 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
             model = training_stage(ctx, name, model, data)
             report.add_stage(model)
             report.add_eval(name, eval_stage(ctx, name, model, data))
+            report.notes.append(stage_change_note(name, model_label, report.evals[name].metrics,
+                                                  report.evals[model_label].metrics))
+            model_label = name
 
         model_variants: dict[str, tuple[str, StageOutput, str | None]] = {"fp": (model.path, model, None)}
         if recipe.quantize is not None:

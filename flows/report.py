@@ -32,6 +32,19 @@ SHORT_TITLES = {
     "perplexity": "ppl",
 }
 
+# Metrics that are rates in [0, 1]: a stage's change shows in points; "over-refusal" and perplexity fall
+# when things improve, and perplexity is no rate, so it is left out of the change line.
+RATE_METRICS = tuple(m for m in HEADLINE_METRICS if m != "perplexity")
+
+
+def stage_change_note(label: str, input_label: str, after: dict[str, float], before: dict[str, float]) -> str:
+    """``grpo vs its input (dpo): task acc +0.0, sampled acc +6.1, ... points``: what one stage changed on
+    the held-out evals, the figure a promotion decision starts from. Metrics either side lacks are left out."""
+    changes = [f"{SHORT_TITLES[m]} {(after[m] - before[m]) * 100:+.1f}" for m in RATE_METRICS
+               if m in after and m in before]
+    summary = ", ".join(changes) + " points" if changes else "no shared metrics"
+    return f"{label} vs its input ({input_label}): {summary}"
+
 
 @dataclass
 class PipelineReport:

@@ -40,6 +40,10 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
     for label in ("base", "sft", "dpo", "grpo", "bundle-fp", "bundle-gptq"):
         metrics = summary["evals"][label]
         assert 0.0 <= metrics["task_accuracy"] <= 1.0 and metrics["perplexity"] > 1.0
+        assert 0.0 <= metrics["sampled_task_accuracy"] <= metrics["task_pass_at_k"] <= 1.0
+    change = {note.split(" vs ")[0]: note for note in summary["notes"] if " vs its input " in note}
+    assert change["grpo"].startswith("grpo vs its input (dpo): task acc ") and "sampled acc" in change["grpo"]
+    assert set(change) == {"sft", "dpo", "grpo"} and change["sft"].startswith("sft vs its input (base)")
 
     # MLflow: one pipeline run, one nested run per stage, eval metrics on the eval runs.
     workdir = Path(yaml.safe_load(micro_recipe.read_text())["workdir"])
