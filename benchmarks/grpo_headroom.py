@@ -103,6 +103,11 @@ def first_error(lm: LoadedModel, record: dict, produced: str | None = None) -> F
     return None
 
 
+def model_label(model_dir: Path) -> str:
+    """``dpo-d3a297dd26d2`` for a pipeline stage's ``.../dpo-d3a297dd26d2/stage``; the dir name otherwise."""
+    return model_dir.parent.name if model_dir.name in ("stage", "bundle") else model_dir.name
+
+
 def measure(model_dir: Path, records: list[dict], k: int, temperature: float, max_new_tokens: int,
             batch_size: int) -> Headroom:
     lm = load_model(model_dir)
@@ -118,7 +123,7 @@ def measure(model_dir: Path, records: list[dict], k: int, temperature: float, ma
              if (e := first_error(lm, r, draws[i * k + j].text)) is not None]
     n = len(records)
     return Headroom(
-        model=str(model_dir), n=n, greedy=sum(greedy) / n,
+        model=model_label(model_dir), n=n, greedy=sum(greedy) / n,
         sampled=sum(sum(s) / k for s in sampled) / n,
         pass_at_k=sum(any(s) for s in sampled) / n,
         wrong_but_sampled_right=sum(not g and any(s) for g, s in zip(greedy, sampled, strict=True)) / n,
