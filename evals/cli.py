@@ -28,7 +28,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--samples-per-prompt", type=int, default=4, help="sampled replies per task prompt (default 4)")
     p.add_argument("--sample-temperature", type=float, default=1.0,
-                   help="temperature of the sampled_task_accuracy replies (default 1.0, the server's default)")
+                   help="temperature of the sampled_task_accuracy replies (default 1.0, OpenAI's default)")
     p.add_argument("--json-out", help="write the results JSON here (atomically)")
     p.add_argument("--gate", action="append", default=[], metavar="EXPR",
                    help="promotion gate such as 'task_accuracy >= 0.4' (repeatable); exit 1 if any fails")

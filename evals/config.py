@@ -14,7 +14,8 @@ class EvalConfig:
     ``max_examples`` caps the records read from each data file (drawn across tasks/categories so every
     slice survives); ``max_new_tokens`` caps each reply; ``batch_size`` is prompts (or scored
     sequences) per forward pass. ``sampled_task_accuracy`` draws ``samples_per_prompt`` replies per
-    held-out task at ``sample_temperature`` (1.0: what our server gives a request that names none),
+    held-out task at ``sample_temperature`` (1.0: what our server gives a request that names none when
+    the model's generation_config.json sets no temperature either),
     seeded by ``sample_seed`` so two models are scored on the same draws.
     """
 

@@ -1,11 +1,12 @@
 """sampled_task_accuracy: held-out tasks answered with sampling, as a client of our server gets them.
 
 Why beside the greedy ``task_accuracy``: a request that names no temperature is sampled at 1.0 (the
-OpenAI default our server keeps), so the accuracy such a client sees is the share of *sampled* replies
-that are right, and it can sit well below greedy when the model spreads mass over wrong answers. It is
-also the figure GRPO trains (its reward is the correctness of sampled replies), so it shows what GRPO
-changed even when greedy accuracy is already near its ceiling. ``task_pass_at_k`` (any of the k samples
-right) is the headroom: what sharpening alone could reach.
+OpenAI default our server keeps unless the model's generation_config.json sets another), so the accuracy
+such a client sees is the share of *sampled* replies that are right, and it can sit well below greedy when
+the model spreads mass over wrong answers. It is also the figure GRPO trains (its reward is the
+correctness of sampled replies), so it shows what GRPO changed even when greedy accuracy is already near
+its ceiling. ``task_pass_at_k`` (any of the k samples right) is the headroom: what sharpening alone could
+reach.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from serving.engine import (
     RequestOutput,
     SamplingParams,
 )
+from serving.engine.generation_defaults import SamplingDefaults
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +64,26 @@ class ServerState:
 
 
 # ----------------------------------------------------------------------------- request → engine
-def _sampling(req: Any, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-              choice: int) -> SamplingParams:
+def _pick(requested: Any, model_default: Any, openai_default: Any) -> Any:
+    """The request's value, else the model's generation_config.json default, else OpenAI's."""
+    if requested is not None:
+        return requested
+    return openai_default if model_default is None else model_default
+
+
+def _sampling(req: Any, defaults: SamplingDefaults, max_tokens: int | None, logprobs: int | None,
+              prompt_logprobs: int | None, choice: int) -> SamplingParams:
     seed = req.seed + choice if req.seed is not None else None
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0, min_p=req.min_p or 0.0, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        temperature=_pick(req.temperature, defaults.temperature, 1.0),
+        top_p=_pick(req.top_p, defaults.top_p, 1.0),
+        top_k=_pick(req.top_k, defaults.top_k, 0), min_p=_pick(req.min_p, defaults.min_p, 0.0),
+        max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=stop, stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos, seed=seed,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=_pick(req.repetition_penalty, defaults.repetition_penalty, 1.0),
         skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
 
 
@@ -158,11 +167,11 @@ async def _json_body(request: Request) -> Any:
 class _Factory:
     """Builds SamplingParams per choice; ``n`` choices become n engine requests."""
 
-    def __init__(self, req: Any, max_tokens: int | None, logprobs: int | None,
+    def __init__(self, req: Any, defaults: SamplingDefaults, max_tokens: int | None, logprobs: int | None,
                  prompt_logprobs: int | None) -> None:
         if not (1 <= req.n <= 16):
             raise APIError(400, f"n: must be in [1, 16], got {req.n}", param="n")
-        self.req, self.n = req, req.n
+        self.req, self.n, self.defaults = req, req.n, defaults
         self.args = (max_tokens, logprobs, prompt_logprobs)
         try:
             self(0)  # validate once up front
@@ -170,7 +179,7 @@ class _Factory:
             raise APIError(400, str(e), param=str(e).split(":")[0]) from e
 
     def __call__(self, choice: int) -> SamplingParams:
-        return _sampling(self.req, *self.args, choice)
+        return _sampling(self.req, self.defaults, *self.args, choice)
 
 
 # ----------------------------------------------------------------------------- completions
@@ -218,7 +227,8 @@ async def completions(state: ServerState, request: Request) -> Any:
     if req.echo and req.stream:
         raise APIError(400, "echo: not supported together with stream", param="echo")
     lp = req.logprobs
-    make = _Factory(req, req.max_tokens, lp, lp if (req.echo and lp is not None) else None)
+    make = _Factory(req, state.engine.sampling_defaults, req.max_tokens, lp,
+                    lp if (req.echo and lp is not None) else None)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     subs = await h.submit_all(rid, prompts_ids, make)
@@ -389,7 +399,7 @@ async def chat_completions(state: ServerState, request: Request) -> Any:
     top = req.top_logprobs or 0
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
-    make = _Factory(req, max_tokens, top if req.logprobs else None, None)
+    make = _Factory(req, state.engine.sampling_defaults, max_tokens, top if req.logprobs else None, None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     subs = await h.submit_all(rid, [ids], make)
@@ -526,7 +536,11 @@ def load_engine(model_dir: str | Path, engine_config: EngineConfig | None = None
         from artifacts.verify import verify_bundle  # lazy: serving plain dirs needs no artifacts stack
 
         verify_bundle(path)
-    return LLMEngine.from_pretrained(path, engine_config or EngineConfig())
+    engine = LLMEngine.from_pretrained(path, engine_config or EngineConfig())
+    if engine.sampling_defaults.given():
+        log.info("sampling defaults from %s/generation_config.json for fields a request leaves out: %s", path,
+                 engine.sampling_defaults.given())
+    return engine
 
 
 def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,

@@ -19,6 +19,7 @@ from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import InvalidRequestError, QueueFullError
+from serving.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from serving.engine.sampler import Sampler, prompt_logprobs
@@ -40,10 +41,12 @@ def _eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer: Any, config: EngineConfig,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(),
+                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
+        self.sampling_defaults = sampling_defaults  # the model's, for fields a request leaves out
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
         # the context a request may use: the model's, the config's, and what the KV cache can hold at all
@@ -73,7 +76,7 @@ class LLMEngine:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         except (OSError, ValueError):
             tokenizer = None  # token-id-only serving
-        return cls(runner, tokenizer, config, _eos_ids(model_dir, tokenizer))
+        return cls(runner, tokenizer, config, _eos_ids(model_dir, tokenizer), read_sampling_defaults(model_dir))
 
     # ----------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:
