@@ -71,12 +71,13 @@ class LLMEngine:
 
         config = config or EngineConfig()
         model_dir = Path(model_dir)
+        sampling_defaults = read_sampling_defaults(model_dir)  # a bad file fails before the weights load
         runner = ModelRunner(model_dir, config)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         except (OSError, ValueError):
             tokenizer = None  # token-id-only serving
-        return cls(runner, tokenizer, config, _eos_ids(model_dir, tokenizer), read_sampling_defaults(model_dir))
+        return cls(runner, tokenizer, config, _eos_ids(model_dir, tokenizer), sampling_defaults)
 
     # ----------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:
