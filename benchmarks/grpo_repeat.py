@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from artifacts.errors import LifecycleError
 from evals.config import EvalConfig
 from evals.results import metrics_dict
 from evals.runner import run_evals
@@ -44,6 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--k", type=int, default=16, help="sampled replies per held-out prompt")
     args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except LifecycleError as exc:  # a bad recipe, model dir or data dir: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     torch.set_num_threads(recipe.threads or torch.get_num_threads())
     max_new = recipe.evals.max_new_tokens
