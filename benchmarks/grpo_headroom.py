@@ -28,10 +28,13 @@ from pathlib import Path
 
 import torch
 
-from evals.data import TASKS_FILE, read_jsonl
-from evals.generation import generate_replies
+from evals.context import EvalContext
+from evals.data import TASKS_FILE
+from evals.errors import EvalError
 from evals.model import LoadedModel, load_model
 from evals.scoring import is_correct
+from evals.suites.preference import reply_item
+from evals.suites.task_accuracy import task_records
 from training.tasks import SUM_TASKS, addition_operands, addition_work, compose_reply
 
 TORN = 0.3  # p(right token) at or above this: the model half-knows the step
@@ -76,27 +79,34 @@ def reference_reply(record: dict) -> str:
     return compose_reply("", record["answer"])
 
 
-def first_error(lm: LoadedModel, record: dict, produced: str | None = None) -> FirstError | None:
-    """Teacher-force the reference reply and find the first position where the model leaves it: where its
-    top token is wrong (``produced`` None) or where the ``produced`` reply (a sampled draw) differs.
-    None if it never leaves the reference."""
-    user = {"role": "user", "content": record["prompt"]}
-    prompt = lm.chat_prompt([user])
-    reply = reference_reply(record)
-    prompt_ids = lm.encode(prompt)
-    full_ids = lm.encode(lm.chat_text([user, {"role": "assistant", "content": reply}]))
-    if full_ids[:len(prompt_ids)] != prompt_ids:
-        raise SystemExit(f"{lm.model_dir}: the chat template does not extend the prompt with the reply")
+@dataclass(frozen=True)
+class TeacherForced:
+    """The reference reply's token ids and the model's distribution before each of them."""
+
+    reply_ids: list[int]
+    probs: torch.Tensor  # (len(reply_ids), vocab)
+
+
+def teacher_force(lm: LoadedModel, record: dict) -> TeacherForced:
+    """One forward pass over prompt + reference reply (the template's split, as the preference suite scores)."""
+    prompt_ids, reply_ids = reply_item(lm, [{"role": "user", "content": record["prompt"]}],
+                                       [{"role": "assistant", "content": reference_reply(record)}])
     with torch.inference_mode():
-        logits = lm.model(input_ids=torch.tensor([full_ids], device=lm.device)).logits[0].float()
-    probs = logits.softmax(-1)
-    drawn = None if produced is None else lm.encode(produced)
-    for offset, pos in enumerate(range(len(prompt_ids), len(full_ids))):
-        target = full_ids[pos]
-        dist = probs[pos - 1]
-        chosen = int(dist.argmax()) if drawn is None else (drawn[offset] if offset < len(drawn) else None)
+        logits = lm.model(input_ids=torch.tensor([prompt_ids + reply_ids], device=lm.device)).logits[0].float()
+    return TeacherForced(reply_ids, logits[len(prompt_ids) - 1:-1].softmax(-1))
+
+
+def first_error(lm: LoadedModel, forced: TeacherForced, produced: list[int] | None = None) -> FirstError | None:
+    """The first position where the model leaves the reference: where its top token is wrong (``produced``
+    None) or where the ``produced`` reply (a sampled draw's ids) differs. None if it never leaves it."""
+    for offset, target in enumerate(forced.reply_ids):
+        dist = forced.probs[offset]
+        if produced is None:
+            chosen = int(dist.argmax())
+        else:
+            chosen = produced[offset] if offset < len(produced) else None
         if chosen != target:
-            done = lm.tokenizer.decode(full_ids[len(prompt_ids):pos], skip_special_tokens=True)
+            done = lm.tokenizer.decode(forced.reply_ids[:offset], skip_special_tokens=True)
             line, col = done.count("\n"), len(done) - (done.rfind("\n") + 1)
             char = lm.tokenizer.decode([target]).replace("\n", "\\n") or "eos"
             return FirstError(f"line {line} char {col} ({char!r})", float(dist[target]))
@@ -108,19 +118,26 @@ def model_label(model_dir: Path) -> str:
     return model_dir.parent.name if model_dir.name in ("stage", "bundle") else model_dir.name
 
 
-def measure(model_dir: Path, records: list[dict], k: int, temperature: float, max_new_tokens: int,
+def measure(model_dir: Path, data_dir: Path, k: int, temperature: float, max_new_tokens: int,
             batch_size: int) -> Headroom:
-    lm = load_model(model_dir)
-    prompts = [lm.chat_prompt([{"role": "user", "content": r["prompt"]}]) for r in records]
-    greedy = [is_correct(g.text, r["answer"]) for g, r in zip(
-        generate_replies(lm, prompts, max_new_tokens, batch_size, desc="greedy"), records, strict=True)]
-    draws = generate_replies(lm, [p for p in prompts for _ in range(k)], max_new_tokens, batch_size,
-                             desc="sampled", temperature=temperature, seed=0)
-    sampled = [[is_correct(draws[i * k + j].text, r["answer"]) for j in range(k)] for i, r in enumerate(records)]
-    errors = [e for r, right in zip(records, greedy, strict=True) if not right
-              if (e := first_error(lm, r)) is not None]
-    slips = [e for i, r in enumerate(records) for j in range(k) if not sampled[i][j]
-             if (e := first_error(lm, r, draws[i * k + j].text)) is not None]
+    ctx = EvalContext(lm=load_model(model_dir), data_dir=data_dir, max_new_tokens=max_new_tokens,
+                      batch_size=batch_size, samples_per_prompt=k, sample_temperature=temperature)
+    records = task_records(ctx)
+    prompts = [ctx.user_prompt(r["prompt"]) for r in records]
+    greedy = [is_correct(g.text, r["answer"]) for g, r in zip(ctx.generate(prompts, desc="greedy"), records,
+                                                              strict=True)]
+    draws = ctx.sample(prompts, desc="sampled")  # the same seeded draws the sampled_task_accuracy suite scores
+    sampled = [[is_correct(d.text, r["answer"]) for d in ds] for ds, r in zip(draws, records, strict=True)]
+    errors: list[FirstError] = []
+    slips: list[FirstError] = []
+    for record, right, ds, hits in zip(records, greedy, draws, sampled, strict=True):
+        if right and all(hits):
+            continue
+        forced = teacher_force(ctx.lm, record)  # once per record, shared by its greedy reply and its draws
+        if not right and (e := first_error(ctx.lm, forced)) is not None:
+            errors.append(e)
+        slips += [e for d, hit in zip(ds, hits, strict=True) if not hit
+                  if (e := first_error(ctx.lm, forced, ctx.lm.encode(d.text))) is not None]
     n = len(records)
     return Headroom(
         model=model_label(model_dir), n=n, greedy=sum(greedy) / n,
@@ -164,9 +181,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {path}: not a directory", file=sys.stderr)
             return 2
     torch.set_num_threads(1)
-    records = read_jsonl(args.data / TASKS_FILE, {"task": str, "prompt": str, "answer": str})
-    rows = [measure(m, records, args.k, args.temperature, args.max_new_tokens, args.batch_size) for m in args.models]
-    print(f"\n{len(records)} held-out task prompts, {args.k} draws each at T {args.temperature}\n")
+    try:
+        rows = [measure(m, args.data, args.k, args.temperature, args.max_new_tokens, args.batch_size)
+                for m in args.models]
+    except EvalError as exc:  # a data dir without the task file, a bad record, a dir that is not a model
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"\n{rows[0].n} held-out task prompts, {args.k} draws each at T {args.temperature}\n")
     print(table(rows, args.k))
     return 0
 
