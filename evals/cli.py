@@ -17,18 +17,22 @@ from evals.errors import EvalError
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    from evals.config import EvalConfig
     from evals.suites import suite_names
 
+    defaults = EvalConfig()  # one source for the defaults: the recipe's `evals:` block and this CLI agree
     p = subparsers.add_parser("eval", help="run eval suites on a model dir against a data-stage output dir")
     p.add_argument("model_dir", help="Hugging Face causal-LM dir (with a chat template)")
     p.add_argument("data_dir", help="the data stage's output dir (tasks_heldout.jsonl, ...)")
     p.add_argument("--suites", help=f"comma-separated subset of: {','.join(suite_names())} (default: all)")
     p.add_argument("--max-examples", type=int, help="cap on records read from each data file")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--samples-per-prompt", type=int, default=4, help="sampled replies per task prompt (default 4)")
-    p.add_argument("--sample-temperature", type=float, default=1.0,
-                   help="temperature of the sampled_task_accuracy replies (default 1.0, OpenAI's default)")
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--samples-per-prompt", type=int, default=defaults.samples_per_prompt,
+                   help=f"sampled replies per task prompt (default {defaults.samples_per_prompt})")
+    p.add_argument("--sample-temperature", type=float, default=defaults.sample_temperature,
+                   help=f"temperature of the sampled_task_accuracy replies (default {defaults.sample_temperature}, "
+                        "OpenAI's default)")
     p.add_argument("--json-out", help="write the results JSON here (atomically)")
     p.add_argument("--gate", action="append", default=[], metavar="EXPR",
                    help="promotion gate such as 'task_accuracy >= 0.4' (repeatable); exit 1 if any fails")
