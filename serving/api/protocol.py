@@ -2,71 +2,126 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers do; vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...) are accepted too.
+
+Every integer is bounded here, before it can reach a tensor: a JSON integer has no size limit, and one
+that does not fit in 64 bits used to stop the engine thread for every client (``top_k: 1e20``). NaN and
+infinity (which Python's JSON parser accepts) are refused for the same reason. Bounds that depend on
+the model (``top_k`` against the vocabulary, ``max_tokens`` against the context) are the engine's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# Far above any context length, far below anything a tensor cannot hold.
+MAX_TOKEN_COUNT = 2 ** 31 - 1
+MAX_CHOICES = 16
+MAX_LOGPROBS = 20
+
+TokenCount = Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_COUNT)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_COUNT)
     min_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    # vLLM's range: a signed 64-bit integer; choice i of n samples with seed + i, which must fit too
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    min_tokens: TokenCount = 0
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _seed_covers_every_choice(self) -> _Sampling:
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError(f"seed: seed + n - 1 must be <= {INT64_MAX} (choice i samples with seed + i)")
+        return self
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
-    logprobs: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: TokenCount | None = 16
+    echo: StrictBool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+
+
+class TextContentPart(BaseModel):
+    """An OpenAI content part; only text parts reach the model, but every part must be well-formed."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: StrictStr
+    content: StrictStr | list[TextContentPart] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: int | str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string holding a lone UTF-16 surrogate, else None.
+
+    JSON may escape one (``"\\ud800"``) and Python's parser keeps it, but it is not Unicode text: the
+    tokenizer and the UTF-8 encoder fail on it deep inside the request, so it is refused at the door.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = find_lone_surrogate(key, path) or find_lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = find_lone_surrogate(item, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
 
 
 ErrorType = Literal["invalid_request_error", "not_found_error", "rate_limit_error", "server_error",

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from serving.api.async_engine import AsyncEngine, EngineDeadError
 from serving.api.metrics import ServerMetrics
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from serving.api.protocol import ChatCompletionRequest, CompletionRequest, error_body, find_lone_surrogate
 from serving.engine import (
     EngineConfig,
     EngineDrainingError,
@@ -142,6 +142,8 @@ class _Handler:
         item = await q.get()
         if isinstance(item, BaseException):
             raise APIError(500, f"engine failure: {item}", "server_error")
+        if item.error is not None:  # this request failed inside the engine; the engine goes on
+            raise APIError(500, f"the request failed while generating ({item.error})", "server_error")
         return item
 
 
@@ -151,17 +153,32 @@ def _parse(model_cls, body: Any):
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ())) or None
-        raise APIError(400, f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")), param=loc) from e
+        # For a field that accepts several shapes pydantic reports one error per shape; the deepest one
+        # names what the client most likely meant (`messages.0.content.0.text`, not `content.str`).
+        worst = max(e.errors(), key=lambda err: len(_field_path(err.get("loc", ()))))
+        loc = ".".join(_field_path(worst.get("loc", ()))) or None
+        raise APIError(400, f"{loc}: {worst.get('msg')}" if loc else str(worst.get("msg")), param=loc) from e
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """A pydantic error location without the union-member tags (`str`, `list[int]`) it interleaves."""
+    return [str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in _TYPE_TAGS))]
 
 
 async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from e
+    where = find_lone_surrogate(body)
+    if where is not None:
+        raise APIError(400, f"{where}: contains a lone UTF-16 surrogate, which is not valid Unicode text",
+                       param=where)
+    return body
 
 
 class _Factory:
@@ -169,8 +186,6 @@ class _Factory:
 
     def __init__(self, req: Any, defaults: SamplingDefaults, max_tokens: int | None, logprobs: int | None,
                  prompt_logprobs: int | None) -> None:
-        if not (1 <= req.n <= 16):
-            raise APIError(400, f"n: must be in [1, 16], got {req.n}", param="n")
         self.req, self.n, self.defaults = req, req.n, defaults
         self.args = (max_tokens, logprobs, prompt_logprobs)
         try:
@@ -364,10 +379,14 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
     messages = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         content = m.content
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        if isinstance(content, list):  # OpenAI content parts: the model reads the text ones
+            for j, part in enumerate(content):
+                if part.type == "text" and part.text is None:
+                    raise APIError(400, f"messages.{i}.content.{j}.text: a text part needs a string `text`",
+                                   param=f"messages.{i}.content.{j}.text")
+            content = "".join(part.text or "" for part in content if part.type == "text")
         messages.append({"role": m.role, "content": content or ""})
     try:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)

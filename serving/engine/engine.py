@@ -9,9 +9,11 @@ forward pass and returns the outputs of that step.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,18 @@ from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from serving.engine.sampler import Sampler, prompt_logprobs
 from serving.engine.sampling_params import SamplingParams
-from serving.engine.scheduler import Scheduler
+from serving.engine.scheduler import ScheduledSeq, Scheduler
 from serving.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class _StepResult:
+    """What one forward pass computed for a batch, before any sequence's state changes."""
+
+    flags: list[bool]
+    prompt_records: dict[int, list[dict[int, float]]]  # scheduled index -> new prompt logprob records
+    sampled: dict[int, tuple[int, dict[int, float] | None]]  # scheduled index -> (token, logprob record)
 
 
 def _eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
@@ -63,6 +75,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_finished_total = 0
+        self.requests_failed_total = 0
         self.num_steps = 0
 
     @classmethod
@@ -93,6 +106,9 @@ class LLMEngine:
         vocab = self.runner.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt: token ids must be integers in [0, {vocab})")
+        if params.top_k > vocab:
+            raise InvalidRequestError(f"top_k: must be <= the vocabulary size {vocab} (or 0/-1 for off), "
+                                      f"got {params.top_k}")
         if n >= self.max_model_len and not (params.max_tokens == 0 and n == self.max_model_len):
             raise InvalidRequestError(f"prompt: {n} tokens exceeds the model's maximum context length "
                                       f"{self.max_model_len}")
@@ -104,7 +120,6 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt: {n} tokens exceeds max_num_batched_tokens "
                                       f"{self.config.max_num_batched_tokens} (chunked prefill is off)")
         if params.max_tokens != mt:
-            from dataclasses import replace
             params = replace(params, max_tokens=mt)
         return params
 
@@ -137,18 +152,22 @@ class LLMEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, set()
+        outs = []
         for seq in inbox:
             self.seqs[seq.request_id] = seq
             p = seq.params
-            if self.tokenizer is not None:
-                self.detoks[seq.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, seq.prompt_token_ids, p.stop, p.skip_special_tokens,
-                    p.include_stop_str_in_output)
+            try:
+                if self.tokenizer is not None:
+                    self.detoks[seq.request_id] = IncrementalDetokenizer(
+                        self.tokenizer, seq.prompt_token_ids, p.stop, p.skip_special_tokens,
+                        p.include_stop_str_in_output)
+            except Exception as exc:  # noqa: BLE001 - this request cannot start; the others can
+                outs.append(self._fail(seq, exc))
+                continue
             if p.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
             self.scheduler.add(seq)
             self.prompt_tokens_total += seq.num_prompt_tokens
-        outs = []
         for rid in aborts:
             seq = self.seqs.get(rid)
             if seq is None:
@@ -196,63 +215,128 @@ class LLMEngine:
         return False
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling iteration and forward pass; return outputs of every touched request."""
+        """Run one scheduling iteration and forward pass; return outputs of every touched request.
+
+        A failure while computing the batch is isolated: each sequence is re-run alone and only those
+        that fail alone are finished with ``finish_reason="error"``, so one request's failure fails that
+        request and never the engine. A replica whose every request fails (a lost device) still answers
+        /health: its 5xx rate is what the gateway ejects it on, and what alerts read from /metrics.
+        """
         outputs = self._drain_inbox()
         plan = self.scheduler.schedule()
         if not plan:
             return outputs
         self.num_steps += 1
         scheduled = plan.scheduled
+        try:
+            result = self._compute(scheduled)
+        except Exception as exc:  # noqa: BLE001 - isolate whatever went wrong, then decide
+            outputs += self._isolate(scheduled, exc)
+            return outputs
+        outputs += self._commit(scheduled, result)
+        return outputs
+
+    def _compute(self, scheduled: list[ScheduledSeq]) -> _StepResult:
+        """Forward and sample for a batch. Changes no sequence state (KV writes are idempotent), so a
+        failed batch can be re-run piecewise."""
         flags = []
         for item in scheduled:
             seq = item.seq
             done_prefill = seq.num_computed_tokens + item.num_tokens == seq.num_tokens
             flags.append(done_prefill and seq.params.max_tokens > 0)
         step_logits = self.runner.execute(scheduled, flags)
-        for item in scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            self.block_manager.commit_full_blocks(item.seq)
+        prompt_records = {}
         for i, first, logits in step_logits.prompt_logits:
             seq = scheduled[i].seq
             nxt = seq.prompt_token_ids[first:first + logits.shape[0]]
-            recs = prompt_logprobs(logits, nxt, seq.params.prompt_logprobs)
+            prompt_records[i] = (first, prompt_logprobs(logits, nxt, seq.params.prompt_logprobs))
+        sampled = {}
+        if step_logits.sample_rows:
+            seqs = [scheduled[i].seq for i in step_logits.sample_rows]
+            res = self.sampler(step_logits.sample_logits, seqs)
+            sampled = {i: (tok, lp) for i, tok, lp in zip(step_logits.sample_rows, res.token_ids, res.logprobs)}
+        return _StepResult(flags, prompt_records, sampled)
+
+    def _commit(self, scheduled: list[ScheduledSeq], result: _StepResult) -> list[RequestOutput]:
+        """Apply a computed step to each sequence; a failure here fails that sequence alone."""
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            try:
+                out = self._commit_one(item, result.flags[i], result.prompt_records.get(i),
+                                       result.sampled.get(i), now)
+            except Exception as exc:  # noqa: BLE001 - a bug for this request only
+                out = self._fail(seq, exc)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _commit_one(self, item: ScheduledSeq, sample_flag: bool, prompt_records, sampled,
+                    now: float) -> RequestOutput | None:
+        seq = item.seq
+        seq.num_computed_tokens += item.num_tokens
+        self.block_manager.commit_full_blocks(seq)
+        if prompt_records is not None:
+            first, recs = prompt_records
             for r, rec in enumerate(recs):
                 if first + r == len(seq.prompt_logprobs):
                     seq.prompt_logprobs.append(rec)
-        # prefill-only requests (max_tokens == 0) finish once their prompt is computed
-        for item, flag in zip(scheduled, flags):
-            seq = item.seq
-            if not flag and seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+        if not sample_flag:
+            # prefill-only requests (max_tokens == 0) finish once their prompt is computed
+            if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
                 seq.finish_reason = "length"
-                outputs.append(self._finish(seq))
-        if not step_logits.sample_rows:
-            return outputs
-        seqs = [scheduled[i].seq for i in step_logits.sample_rows]
-        result = self.sampler(step_logits.sample_logits, seqs)
-        now = time.monotonic()
-        for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
-            seq.token_ids.append(tok)
-            self.generation_tokens_total += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
-            if lp is not None:
-                seq.logprobs.append(lp)
-            stopped = self._check_stop(seq, tok)
-            detok = self.detoks.get(seq.request_id)
-            if not stopped and detok is not None:
-                hit = detok.add_token(tok)
-                if hit is not None:
-                    seq.finish_reason, seq.stop_reason, stopped = "stop", hit, True
-            if not stopped and (seq.num_output_tokens >= seq.params.max_tokens
-                                or seq.num_tokens >= self.max_model_len):
-                seq.finish_reason, stopped = "length", True
-            lps = [lp] if lp is not None else None
-            if stopped:
-                outputs.append(self._finish(seq, [tok], lps))
-            else:
-                outputs.append(self._output(seq, [tok], lps, finished=False))
+                return self._finish(seq)
+            return None
+        tok, lp = sampled
+        seq.token_ids.append(tok)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if lp is not None:
+            seq.logprobs.append(lp)
+        stopped = self._check_stop(seq, tok)
+        detok = self.detoks.get(seq.request_id)
+        if not stopped and detok is not None:
+            hit = detok.add_token(tok)
+            if hit is not None:
+                seq.finish_reason, seq.stop_reason, stopped = "stop", hit, True
+        if not stopped and (seq.num_output_tokens >= seq.params.max_tokens
+                            or seq.num_tokens >= self.max_model_len):
+            seq.finish_reason, stopped = "length", True
+        lps = [lp] if lp is not None else None
+        if stopped:
+            return self._finish(seq, [tok], lps)
+        return self._output(seq, [tok], lps, finished=False)
+
+    def _isolate(self, scheduled: list[ScheduledSeq], batch_error: Exception) -> list[RequestOutput]:
+        """Re-run each sequence of a failed batch alone; fail only those that fail alone."""
+        if len(scheduled) == 1:
+            return [self._fail(scheduled[0].seq, batch_error)]
+        outputs: list[RequestOutput] = []
+        failed = 0
+        for item in scheduled:
+            try:
+                result = self._compute([item])
+            except Exception as exc:  # noqa: BLE001
+                outputs.append(self._fail(item.seq, exc))
+                failed += 1
+                continue
+            outputs += self._commit([item], result)
+        if failed == 0:
+            log.warning("engine step failed as a batch but not per sequence (%s: %s); every request went on",
+                        type(batch_error).__name__, batch_error)
         return outputs
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> RequestOutput:
+        """Finish one sequence because computing it raised: free its blocks, report the error."""
+        log.error("request %s failed inside the engine: %s: %s", seq.request_id, type(exc).__name__, exc,
+                  exc_info=exc)
+        self.requests_failed_total += 1
+        seq.finish_reason = "error"
+        out = self._finish(seq)
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
 
     # ----------------------------------------------------------------- batch API
     def generate(self, prompts: Seq[str] | Seq[list[int]],

@@ -11,7 +11,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
 
@@ -31,6 +31,8 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    # set when computing this request raised (finish_reason "error"); the server answers 500 with it
+    error: str | None = None
 
     @property
     def text(self) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from serving.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+_INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
 @dataclass
@@ -54,8 +55,6 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -76,6 +75,13 @@ class SamplingParams:
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids")
+        # everything below ends up in a torch int64 tensor or generator seed
+        if not (0 <= self.top_k <= _INT64_MAX):
+            bad("top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        if self.seed is not None and not (_INT64_MIN <= self.seed <= _INT64_MAX):
+            bad("seed", f"must fit in a signed 64-bit integer, got {self.seed}")
+        if any(t > _INT64_MAX for t in self.stop_token_ids):
+            bad("stop_token_ids", "must fit in a signed 64-bit integer")
 
     @property
     def greedy(self) -> bool:

@@ -195,6 +195,25 @@ def test_metrics_use_vllm_names(server, client):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
     ("/v1/nothing", {}, 404, "no route"),
+    # integers that do not fit in 64 bits used to crash the engine thread for every client
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "top_k": 10 ** 20, "temperature": 1}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "top_k": 10 ** 6, "temperature": 1}, 400,
+     "vocabulary"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2 ** 64}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": 2 ** 63 - 1, "n": 2}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10 ** 30}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 10 ** 30}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 30]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [[1, 10 ** 30]]}, 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    # lone surrogates and malformed content parts used to answer a plain-text 500
+    ("/v1/completions", b'{"prompt": "bad \\ud800 surrogate"}', 400, "surrogate"),
+    ("/v1/completions", b'{"prompt": "x", "model": "\\ud800"}', 400, "surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a \\udfff"}]}', 400, "surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "text"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
 ])
 def test_bad_requests_get_4xx_openai_error_bodies(server, path, body, status, needle):
     base, _ = server
@@ -203,6 +222,10 @@ def test_bad_requests_get_4xx_openai_error_bodies(server, path, body, status, ne
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
+    # whatever the request did, the server goes on serving everyone else
+    ok = httpx.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 1})
+    assert ok.status_code == 200, ok.text
+    assert httpx.get(base + "/health").status_code == 200
 
 
 # ----------------------------------------------------------------------------- cancellation and load
