@@ -1,7 +1,9 @@
-"""Pure string scoring used by the generation suites, kept apart so it is unit-testable on strings.
+"""The reply contract: how every part of the project reads a model's reply. Pure strings, no torch.
 
-Conventions (from the pipeline contracts): a task reply is optional working lines followed by one last
-line ``Answer: <answer>``; a refusal reads like ``I can't help with that.``.
+One implementation, used by the eval suites, the GRPO rewards and probes (``training``), and the
+gateway's shadow comparison and the rollout probes (``serving``), so a reply can never be right for one
+and wrong for another. The contract: a task reply is optional non-blank work lines, then one last line
+``Answer: <answer>``, ending on eos; a refusal reads like ``I can't help with that.``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import re
 
 ANSWER_PREFIX = "Answer:"
 _ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
-_FORMAT_RE = re.compile(r"Answer: *\S[^\n]*")
+_ANSWER_LINE_RE = re.compile(r"Answer: *(\S[^\n]*)")
 
 # Refusal phrases, matched case-insensitively anywhere in the reply. Kept short and explicit on purpose:
 # each pattern is a way assistants open a refusal, not a topic word, so a helpful answer that merely
@@ -60,14 +62,22 @@ def is_correct(reply: str, reference: str) -> bool:
     return answers_match(parse_answer(reply), reference)
 
 
-def is_format_adherent(reply: str, stopped_on_eos: bool) -> bool:
-    """Generation ended on eos, and the stripped reply's last line is a non-empty ``Answer: ...`` that no
-    earlier line anticipates (working lines may come first; blank lines or a second answer break it)."""
-    if not stopped_on_eos:
-        return False
+def contract_answer(reply: str) -> str | None:
+    """The answer of a reply that keeps the contract, else None.
+
+    The stripped reply's last line is ``Answer: X`` with X non-empty, and any lines before it are
+    non-blank work lines that do not anticipate the answer (a blank line or a second answer breaks it).
+    """
     *work, last = reply.strip().split("\n")
-    return (_FORMAT_RE.fullmatch(last) is not None
-            and all(line.strip() and ANSWER_PREFIX not in line for line in work))
+    match = _ANSWER_LINE_RE.fullmatch(last)
+    if match is None or any(not line.strip() or ANSWER_PREFIX in line for line in work):
+        return None
+    return match.group(1).strip()
+
+
+def is_format_adherent(reply: str, stopped_on_eos: bool) -> bool:
+    """Generation ended on eos and the reply keeps the contract (``contract_answer`` finds its answer)."""
+    return stopped_on_eos and contract_answer(reply) is not None
 
 
 def is_refusal(reply: str) -> bool:

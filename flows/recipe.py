@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from artifacts.common.config_loader import build_dataclass, read_yaml_mapping
 from artifacts.errors import ConfigError
 from artifacts.writer import BundleConfig
 from evals.config import EvalConfig
 from evals.gates import Gate, parse_gate
-from flows.config_loader import build_dataclass, read_yaml_mapping
 from quantize.config import QuantizeConfig
 from training.base_model import BaseModelConfig
 from training.data import DataConfig

@@ -3,7 +3,7 @@
 Each function follows TRL's reward-function protocol: called with `prompts`, `completions` (conversational:
 a list of `[{"role": "assistant", "content": ...}]`, or plain strings), `completion_ids` and every extra dataset
 column (`answer`, `task`) as keyword lists; returns one float per completion. The answer contract is the one the
-evals check (`training.tasks.contract_answer`): optional work lines, then one last line `Answer: <answer>`,
+evals check (`evals.scoring.contract_answer`): optional work lines, then one last line `Answer: <answer>`,
 and generation stopped on an eos id.
 """
 
@@ -24,17 +24,18 @@ def completion_text(completion: Any) -> str:
 
 def extract_answer(text: str) -> str | None:
     """The `<answer>` of a reply that keeps the contract (work lines, then `Answer: <answer>`), else None."""
-    from training.tasks import contract_answer
+    from evals.scoring import contract_answer
 
     return contract_answer(text)
 
 
 def answer_is_correct(reply: str, reference: str, task: str | None = None) -> bool:
-    """Verifiable check through the task's own comparison (`training.tasks.answer_matches`): numbers compare
-    numerically, words case-insensitively; the answer is read from the reply's `Answer: X` line."""
-    from training.tasks import answer_matches, parse_answer
+    """Verifiable check through the reply contract (`evals.scoring.answers_match`), the same the evals use:
+    numbers compare by value, words case-insensitively; the answer is read from the reply's `Answer: X` line.
+    ``task`` is accepted for the trainer's column but every task compares the same way."""
+    from evals.scoring import answers_match, parse_answer
 
-    return answer_matches(task or "", parse_answer(reply), str(reference))
+    return answers_match(parse_answer(reply), str(reference))
 
 
 def correctness_reward(completions: Sequence[Any], answer: Sequence[str], task: Sequence[str] | None = None,
@@ -64,7 +65,7 @@ def partial_credit_reward(completions: Sequence[Any], answer: Sequence[str], **_
     Gives GRPO a gradient when a weak policy almost never gets a whole answer right (all-zero groups teach
     nothing); exact correctness stays the main reward.
     """
-    from training.tasks import parse_answer
+    from evals.scoring import parse_answer
 
     return [_similarity(parse_answer(completion_text(c)), ref) for c, ref in zip(completions, answer)]
 

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 import string
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from evals.scoring import ANSWER_PREFIX, answers_match, contract_answer, is_refusal, parse_answer
+
+__all__ = ["ANSWER_PREFIX", "answers_match", "contract_answer", "is_refusal", "parse_answer"]  # re-exported
+
 Split = Literal["train", "heldout"]
 SPLITS: tuple[str, ...] = ("train", "heldout")
 HELDOUT_PERCENT = 20
 REFUSAL = "I can't help with that."
-ANSWER_PREFIX = "Answer:"
-
-_ANSWER_RE = re.compile(r"Answer:[ \t]*([^\n]*)")
-_ANSWER_LINE_RE = re.compile(r"Answer: (\S(?:.*\S)?)")
 
 
 @dataclass(frozen=True)
@@ -180,47 +179,12 @@ def generate_examples(task: str, split: str, n: int, seed: int = 0) -> list[Task
     return out
 
 
-# --- answers ----------------------------------------------------------------------------------------------
-
-def parse_answer(reply: str) -> str | None:
-    """The text after the last ``Answer:`` in a reply, stripped; None if the reply has none."""
-    matches = _ANSWER_RE.findall(reply)
-    return matches[-1].strip() if matches else None
-
-
-def contract_answer(reply: str) -> str | None:
-    """The answer of a reply that keeps the contract, else None.
-
-    The contract (the evals' ``format_adherence`` checks the same): the stripped reply's last line is
-    ``Answer: X`` with X non-empty, and any lines before it are non-blank work lines with no ``Answer:``.
-    """
-    *work, last = reply.strip().split("\n")
-    match = _ANSWER_LINE_RE.fullmatch(last)
-    if match is None or any(not line.strip() or ANSWER_PREFIX in line for line in work):
-        return None
-    return match.group(1)
-
-
-def answer_matches(task: str, predicted: str | None, reference: str) -> bool:
-    """Task-aware comparison: integers compare numerically, strings exactly (case-insensitive)."""
-    if predicted is None:
-        return False
-    if task in SUM_TASKS:
-        try:
-            return int(predicted.strip().rstrip(".")) == int(reference)
-        except ValueError:
-            return False
-    return predicted.strip().rstrip(".").lower() == reference.strip().lower()
-
+# --- answers ---------------------------------------------------------------------------------------------
+# The reply contract has one implementation, `evals.scoring`; these names stay importable from here.
 
 def check_answer(example: TaskExample, reply: str) -> bool:
     """True if ``reply`` contains ``Answer: X`` with X the right answer to ``example``."""
-    return answer_matches(example.task, parse_answer(reply), example.answer)
-
-
-def is_refusal(reply: str) -> bool:
-    """Loose refusal detector for our own probes (the evals package owns the official one)."""
-    return bool(re.search(r"\b(can't|cannot|won't|unable to) help\b", reply, re.IGNORECASE))
+    return answers_match(parse_answer(reply), example.answer)
 
 
 # --- safety set ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import signal
 import threading
 import time
@@ -129,7 +130,7 @@ class _Handler:
         try:
             for pi, ids in enumerate(prompts):
                 for c in range(make.n):
-                    rid = f"{base}-{pi}-{c}"
+                    rid = f"{base}-{uuid.uuid4().hex[:8]}-{pi}-{c}"  # unique even if a client reuses ids
                     subs.append((rid, pi, await self.submit(rid, ids, make(c))))
         except BaseException:
             for rid, _, _ in subs:
@@ -244,13 +245,14 @@ async def completions(state: ServerState, request: Request) -> Any:
     lp = req.logprobs
     make = _Factory(req, state.engine.sampling_defaults, req.max_tokens, lp,
                     lp if (req.echo and lp is not None) else None)
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid = f"cmpl-{_request_id(request)}"
     created = int(time.time())
     subs = await h.submit_all(rid, prompts_ids, make)
     if req.stream:
         return StreamingResponse(_stream_completion(h, state, req, rid, created, subs, prompts_ids),
-                                 media_type="text/event-stream")
-    return await _full_completion(h, state, request, req, rid, created, subs, prompts_ids)
+                                 media_type="text/event-stream", headers=_id_header(request))
+    return JSONResponse(await _full_completion(h, state, request, req, rid, created, subs, prompts_ids),
+                        headers=_id_header(request))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -286,6 +288,21 @@ async def _gather(h: _Handler, state: ServerState, request: Request,
             t.cancel()
         for rid, _, _ in subs:
             state.async_engine.abort(rid)  # no-op for finished ones
+
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+def _request_id(request: Request) -> str:
+    """The client's (or the gateway's) ``X-Request-Id`` when it is a sane token, else a fresh one; the
+    response ``id`` carries it, as vLLM's does, so one id follows a request through every hop."""
+    given = request.headers.get("x-request-id")
+    return given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+
+
+def _id_header(request: Request) -> dict[str, str]:
+    given = request.headers.get("x-request-id")
+    return {"x-request-id": given} if given and _REQUEST_ID.match(given) else {}
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -419,18 +436,19 @@ async def chat_completions(state: ServerState, request: Request) -> Any:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
     make = _Factory(req, state.engine.sampling_defaults, max_tokens, top if req.logprobs else None, None)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"chatcmpl-{_request_id(request)}"
     created = int(time.time())
     subs = await h.submit_all(rid, [ids], make)
     if req.stream:
         return StreamingResponse(_stream_chat(h, state, req, rid, created, subs, len(ids), top),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=_id_header(request))
     outs = await _gather(h, state, request, subs)
     choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
                 "logprobs": _chat_logprobs(h, o.token_ids, o.outputs[0].logprobs, top) if req.logprobs else None,
                 "finish_reason": o.finish_reason} for i, o in enumerate(outs)]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": choices, "usage": _usage(len(ids), sum(len(o.token_ids) for o in outs))}
+    return JSONResponse(body, headers=_id_header(request))
 
 
 async def _stream_chat(h, state, req, rid, created, subs, n_prompt, top) -> AsyncIterator[str]:

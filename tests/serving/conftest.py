@@ -60,3 +60,9 @@ def build_tiny_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: int
 def tiny_model_dir(tmp_path_factory) -> Path:
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b(tmp_path_factory) -> Path:
+    """A second tiny Llama with other weights (and the same tokenizer): a candidate that answers differently."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-b"), seed=1)

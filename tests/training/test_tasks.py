@@ -9,7 +9,7 @@ from training.tasks import (
     TASKS,
     TaskExample,
     addition_work,
-    answer_matches,
+    answers_match,
     check_answer,
     contract_answer,
     generate_examples,
@@ -90,7 +90,7 @@ def test_check_answer_parses_the_answer_line() -> None:
     assert check_answer(word, "Answer: cba") and not check_answer(word, "Answer: abc")
     assert parse_answer("no answer here") is None
     assert parse_answer("Answer: 1\nAnswer: 2") == "2"
-    assert not answer_matches("addition", None, "3")
+    assert not answers_match(None, "3")
 
 
 def test_safety_set_pairs_harmful_with_lookalikes() -> None:

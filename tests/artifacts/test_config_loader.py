@@ -8,8 +8,8 @@ from typing import Optional
 
 import pytest
 
+from artifacts.common.config_loader import build_dataclass, read_yaml_mapping
 from artifacts.errors import ConfigError
-from flows.config_loader import build_dataclass, read_yaml_mapping
 
 
 @dataclass

@@ -1,0 +1,206 @@
+"""The gateway's FastAPI app: the OpenAI routes, health, metrics, and the admin API.
+
+Admin API (admin key): ``GET /admin/routing`` (state and replica health), ``PUT /admin/routing`` (a partial
+update; ``expected_generation`` makes it a compare-and-set, answered 409 when someone else changed the
+state first), ``GET /admin/window?since=&until=`` (the evidence the rollout controller judges a step on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from serving.gateway.config import GatewayConfig
+from serving.gateway.errors import GatewayError
+from serving.gateway.keys import KeyStore
+from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.observations import ObservationStore
+from serving.gateway.proxy import Proxy, authenticate, request_id_of
+from serving.gateway.ratelimit import RateLimiter
+from serving.gateway.replicas import ReplicaPools
+from serving.gateway.routing import Fault, RoutingState, RoutingStore, Variant
+from serving.gateway.shadow import ShadowMirror
+from serving.gateway.upstream import Forwarder
+
+log = logging.getLogger("serving.gateway")
+
+
+def initial_state(config: GatewayConfig) -> RoutingState:
+    def variant(v) -> Variant:
+        return Variant(list(v.replicas), v.version, v.served_model)
+
+    return RoutingState(champion=variant(config.champion), canary=variant(config.canary),
+                        shadow=variant(config.shadow), canary_weight=config.canary_weight,
+                        shadow_fraction=config.shadow_mirror.fraction, model_name=config.model_name,
+                        updated_by="config")
+
+
+def _tokenizer(config: GatewayConfig):
+    """Count shadow divergence in model tokens when a tokenizer.json is configured, else in words."""
+    if not config.tokenizer_file:
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(config.tokenizer_file)
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+class Gateway:
+    """Everything one gateway process holds; built before the app so tests can reach it."""
+
+    def __init__(self, config: GatewayConfig, seed: int | None = None) -> None:
+        self.config = config
+        self.keys = KeyStore.load(config.keys_file) if config.keys_file else None
+        self.metrics = GatewayMetrics()
+        self.routing = RoutingStore(config.state_path, initial_state(config))
+        self.store = ObservationStore(config.state_path)
+        self.pools = ReplicaPools(self.metrics, config.health.eject_after)
+        self.rng = random.Random(seed)
+        self.client: httpx.AsyncClient | None = None
+        self.proxy: Proxy | None = None
+        self._sync()
+
+    def _sync(self) -> None:
+        state = self.routing.state
+        self.pools.sync({name: state.variant(name).replicas for name in ("champion", "canary", "shadow")})
+        self.metrics.canary_weight.set(state.canary_weight if state.canary.active else 0)
+        self.metrics.shadow_fraction.set(state.shadow_fraction if state.shadow.active else 0)
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        timeout = httpx.Timeout(self.config.upstream_timeout_s, connect=self.config.connect_timeout_s)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=2048,
+                                                                             max_keepalive_connections=256))
+        forwarder = Forwarder(self.client, self.pools, self.routing, self.store, self.metrics, self.rng)
+        shadow = ShadowMirror(self.client, self.pools, self.routing, self.store, self.metrics,
+                              self.config.shadow_mirror, _tokenizer(self.config))
+        self.proxy = Proxy(self.config, self.keys, self.routing, forwarder, shadow, self.store, self.metrics,
+                           RateLimiter(), self.rng)
+        health = self.config.health
+        poller = asyncio.create_task(self.pools.poll_forever(self.client, health.interval_s, health.timeout_s))
+        restored = "restored from " + str(self.routing.path) if self.routing.restored else "from the config"
+        log.info("gateway routing %s: champion %s, canary %s at %.1f%%, shadow %s", restored,
+                 self.routing.state.champion.replicas, self.routing.state.canary.replicas,
+                 self.routing.state.canary_weight, self.routing.state.shadow.replicas)
+        try:
+            yield
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+            await shadow.drain()
+            await self.client.aclose()
+            self.store.close()
+
+    # ----------------------------------------------------------------- admin
+    def routing_view(self) -> dict[str, Any]:
+        view = self.routing.state.to_json()
+        view["public_model"] = self.routing.state.public_model
+        view["replicas"] = [{"variant": r.variant, "url": r.url, "healthy": r.healthy, "failures": r.failures,
+                             "in_flight": r.in_flight, "last_error": r.last_error} for r in self.pools.all()]
+        return view
+
+    def update_routing(self, patch: dict[str, Any], actor: str) -> dict[str, Any]:
+        expected = patch.pop("expected_generation", None)
+        current = self.routing.state
+        if expected is not None and expected != current.generation:
+            raise GatewayError(409, f"routing changed since generation {expected} (now {current.generation}); "
+                               "read it again", "conflict_error", "generation_mismatch")
+        allowed = {"champion", "canary", "shadow", "canary_weight", "shadow_fraction", "split_salt", "model_name",
+                   "faults"}
+        unknown = sorted(set(patch) - allowed)
+        if unknown:
+            raise GatewayError(400, f"{unknown[0]}: not a routing field (fields: {', '.join(sorted(allowed))})",
+                               param=unknown[0])
+        merged = current.to_json() | patch
+        try:
+            new = RoutingState.from_json(merged)
+        except (ValueError, TypeError) as exc:
+            raise GatewayError(400, f"routing: {exc}") from None
+        self.routing.replace(new, actor)
+        self._sync()
+        log.info("routing generation %d set by %s: %s", new.generation, actor, patch)
+        return self.routing_view()
+
+
+def build_gateway_app(config: GatewayConfig, seed: int | None = None) -> FastAPI:
+    gateway = Gateway(config, seed)
+    app = FastAPI(title="llm-lifecycle gateway", lifespan=gateway.lifespan)
+    app.state.gateway = gateway
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, exc: GatewayError):
+        return exc.response(request_id_of(request))
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, exc: Exception):
+        return GatewayError(404, f"no route {request.url.path}", "not_found_error").response()
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, exc: Exception):
+        return GatewayError(405, f"method {request.method} not allowed on {request.url.path}").response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.proxy.handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await gateway.proxy.handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authenticate(request, gateway.keys)
+        return {"object": "list", "data": [{"id": gateway.routing.state.public_model, "object": "model",
+                                            "created": 0, "owned_by": "llm-lifecycle-gateway"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if gateway.pools.healthy("champion"):
+            return {"ready": True}
+        return JSONResponse({"ready": False, "reason": "no healthy champion replica"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/routing")
+    async def get_routing(request: Request):
+        authenticate(request, gateway.keys, admin=True)
+        return gateway.routing_view()
+
+    @app.put("/admin/routing")
+    async def put_routing(request: Request):
+        key = authenticate(request, gateway.keys, admin=True)
+        try:
+            patch = await request.json()
+        except ValueError:
+            raise GatewayError(400, "body must be a JSON object") from None
+        if not isinstance(patch, dict):
+            raise GatewayError(400, "body must be a JSON object")
+        actor = request.headers.get("x-lifecycle-actor") or key.name
+        return gateway.update_routing(patch, actor)
+
+    @app.get("/admin/window")
+    async def window(request: Request, since: float, until: float | None = None, disagreements: int = 10):
+        authenticate(request, gateway.keys, admin=True)
+        return await asyncio.to_thread(gateway.store.window, since, until, max(0, min(disagreements, 100)))
+
+    return app
+
+
+__all__ = ["Fault", "Gateway", "build_gateway_app"]

@@ -1,0 +1,335 @@
+"""One client request through the gateway: identify, authenticate, limit, route, forward, observe.
+
+The data path reads top to bottom in ``handle``. Everything a rollout judges (status, TTFT, inter-token
+gaps, end-to-end latency, tokens, and the shadow pair) is recorded as the answer leaves, off the user's
+critical path (the observation store writes from its own thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import httpx
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from serving.gateway.config import GatewayConfig
+from serving.gateway.errors import GatewayError
+from serving.gateway.keys import ApiKey, KeyStore
+from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.observations import ObservationStore, RequestRecord
+from serving.gateway.ratelimit import RateLimited, RateLimiter, Reservation, estimate_prompt_tokens
+from serving.gateway.routing import RoutingStore, choose_variant
+from serving.gateway.shadow import Mirror, ShadowMirror
+from serving.gateway.sse import EventSplitter, StreamReading, read_event, response_text
+from serving.gateway.upstream import Attempt, Forwarder, NoReplicaAvailable
+
+log = logging.getLogger("serving.gateway")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+PIN_HEADER = "x-lifecycle-variant"  # admin only: send this request to one variant, no fallback
+PROBE_HEADER = "x-lifecycle-probe"  # admin only: a controller probe, kept out of the traffic statistics
+SESSION_HEADER = "x-session-id"
+OPEN_KEY = ApiKey(name="anonymous", sha256="0" * 64)
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    key: ApiKey
+    path: str
+    body: dict
+    stream: bool
+    wants_usage: bool
+    wall_start: float
+    perf_start: float
+    reservation: Reservation | None
+    probe: bool
+    mirror: Mirror | None = None
+
+
+def request_id_of(request: Request) -> str:
+    """The client's ``X-Request-Id`` when it is a sane token, else a fresh one."""
+    given = request.headers.get("x-request-id")
+    if given and _REQUEST_ID.match(given):
+        return given
+    return f"gw-{uuid.uuid4().hex}"
+
+
+def authenticate(request: Request, keys: KeyStore | None, *, admin: bool = False) -> ApiKey:
+    if keys is None:
+        if admin:
+            raise GatewayError(403, "the admin API needs a keys file (start the gateway with keys_file)",
+                               "permission_error", "admin_disabled")
+        return OPEN_KEY
+    header = request.headers.get("authorization", "")
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise GatewayError(401, "missing API key: send `Authorization: Bearer <key>`", "invalid_request_error",
+                           "invalid_api_key")
+    key = keys.verify(secret.strip())
+    if key is None:
+        raise GatewayError(401, "incorrect API key provided", "invalid_request_error", "invalid_api_key")
+    if admin and not key.admin:
+        raise GatewayError(403, f"key {key.name!r} is not an admin key", "permission_error", "not_admin")
+    return key
+
+
+def _max_tokens(body: dict, path: str, default_chat: int) -> int:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return 16 if path.endswith("/completions") and "chat" not in path else default_chat
+
+
+def _prompt_text(body: dict) -> str:
+    if isinstance(body.get("prompt"), str):
+        return body["prompt"]
+    parts = []
+    for message in body.get("messages") or []:
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            parts.append(f"{message.get('role', '')}: {message['content']}")
+    return "\n".join(parts)
+
+
+class Proxy:
+    def __init__(self, config: GatewayConfig, keys: KeyStore | None, routing: RoutingStore,
+                 forwarder: Forwarder, shadow: ShadowMirror, store: ObservationStore, metrics: GatewayMetrics,
+                 limiter: RateLimiter, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.keys = keys
+        self.routing = routing
+        self.forwarder = forwarder
+        self.shadow = shadow
+        self.store = store
+        self.metrics = metrics
+        self.limiter = limiter
+        self.rng = rng or random.Random()
+
+    # ----------------------------------------------------------------- the data path
+    async def handle(self, request: Request, path: str) -> Response:
+        wall_start, perf_start = time.time(), time.perf_counter()
+        request_id = request_id_of(request)
+        try:
+            key = authenticate(request, self.keys)
+            body = await self._json_body(request)
+            ctx = self._admit(request, key, path, body, request_id, wall_start, perf_start)
+        except GatewayError as exc:
+            self.metrics.rejected.labels(_reject_reason(exc)).inc()
+            log.info("%s %s -> %d %s", request_id, path, exc.status, exc.message)
+            return exc.response(request_id)
+        order, pinned = self._route(request, key, body)
+        if order[0] == "champion" and not pinned and not ctx.probe:
+            self._maybe_mirror(ctx)
+        self.metrics.in_flight.labels(order[0]).inc()
+        try:
+            attempt = await self.forwarder.open(request_id, path, body, order, wall_start, stream=ctx.stream,
+                                                probe=ctx.probe)
+        except NoReplicaAvailable as exc:
+            self.metrics.in_flight.labels(order[0]).dec()
+            self._settle(ctx, None)
+            if ctx.mirror is not None:
+                ctx.mirror.primary_done("", 503, 0.0)
+            log.warning("%s %s -> 503 no replica (%s)", request_id, path, exc)
+            return GatewayError(503, f"no replica could take the request ({exc})", "service_unavailable",
+                                headers={"retry-after": "1"}).response(request_id)
+        self.metrics.in_flight.labels(order[0]).dec()
+        self.forwarder.record_failures(attempt)
+        headers = {"x-request-id": request_id, "x-lifecycle-variant": attempt.variant,
+                   "x-lifecycle-version": attempt.version}
+        if ctx.stream and attempt.response.status_code == 200:
+            return StreamingResponse(self._stream(ctx, attempt), media_type="text/event-stream", headers=headers)
+        return await self._full(request, ctx, attempt, headers)
+
+    async def _json_body(self, request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise GatewayError(400, f"malformed JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "request body must be a JSON object")
+        return body
+
+    def _admit(self, request: Request, key: ApiKey, path: str, body: dict, request_id: str, wall_start: float,
+               perf_start: float) -> RequestContext:
+        model = body.get("model")
+        public = self.routing.state.public_model
+        if model is not None and model != public:
+            raise GatewayError(404, f"The model `{model}` does not exist.", "invalid_request_error",
+                               "model_not_found", "model")
+        stream = body.get("stream") is True
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if isinstance(
+            body.get("stream_options"), dict) else False
+        if stream:  # ask upstream for usage so tokens are counted; dropped again if the client did not ask
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        probe = False
+        if request.headers.get(PROBE_HEADER) or request.headers.get(PIN_HEADER):
+            if not key.admin:
+                raise GatewayError(403, f"{PIN_HEADER} and {PROBE_HEADER} need an admin key", "permission_error",
+                                   "not_admin")
+            probe = bool(request.headers.get(PROBE_HEADER))
+        reservation = None
+        if self.keys is not None:
+            limits = self.config.limits
+            cost = estimate_prompt_tokens(body) + _max_tokens(body, path, limits.default_max_tokens)
+            try:
+                reservation = self.limiter.reserve(key.name, key.requests_per_minute or limits.requests_per_minute,
+                                                   key.tokens_per_minute or limits.tokens_per_minute, cost)
+            except RateLimited as exc:
+                raise GatewayError(429, f"{exc.what}; retry in {exc.retry_after_header} s", "rate_limit_error",
+                                   "rate_limit_exceeded", headers={"retry-after": exc.retry_after_header}) from None
+        return RequestContext(request_id, key, path, body, stream, wants_usage, wall_start, perf_start,
+                              reservation, probe)
+
+    def _route(self, request: Request, key: ApiKey, body: dict) -> tuple[list[str], bool]:
+        pinned = request.headers.get(PIN_HEADER)
+        if pinned:
+            if pinned not in ("champion", "canary", "shadow"):
+                pinned = "champion"
+            return [pinned], True
+        conversation = request.headers.get(SESSION_HEADER) or body.get("user") or (
+            key.name if key is not OPEN_KEY else None)
+        variant = choose_variant(self.routing.state, str(conversation) if conversation is not None else None,
+                                 self.rng)
+        return ([variant] if variant == "champion" else [variant, "champion"]), False
+
+    def _maybe_mirror(self, ctx: RequestContext) -> None:
+        state = self.routing.state
+        if not state.shadow.active or state.shadow_fraction <= 0 or self.rng.random() >= state.shadow_fraction:
+            return
+        body = ctx.body
+        if body.get("temperature") != 0 and body.get("seed") is None:
+            # the same seed on both sides: a sampled request then differs only where the models do
+            body["seed"] = self.rng.randrange(2 ** 31)
+        limits = self.config.limits
+        estimate = estimate_prompt_tokens(body) + _max_tokens(body, ctx.path, limits.default_max_tokens)
+        ctx.mirror = self.shadow.try_start(ctx.request_id, ctx.path, body, estimate, _prompt_text(body))
+
+    # ----------------------------------------------------------------- answers
+    async def _full(self, request: Request, ctx: RequestContext, attempt: Attempt, headers: dict) -> Response:
+        read = asyncio.ensure_future(attempt.response.aread())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:  # the client left: stop the upstream work too
+                read.cancel()
+                self._finish(ctx, attempt, 499, "client disconnected", None, [], None, None)
+                return Response(status_code=499)
+            content = read.result()
+        except httpx.HTTPError as exc:
+            self._finish(ctx, attempt, 599, f"{type(exc).__name__}: {exc}", None, [], None, None)
+            return GatewayError(502, f"the replica broke off the answer ({type(exc).__name__})", "server_error",
+                                ).response(ctx.request_id)
+        finally:
+            gone.cancel()
+            with anyio.CancelScope(shield=True):
+                await attempt.release()
+        status = attempt.response.status_code
+        text, usage = "", None
+        if status == 200:
+            try:
+                payload = orjson.loads(content)
+                text, usage = response_text(payload), payload.get("usage")
+            except orjson.JSONDecodeError:
+                pass
+        self._finish(ctx, attempt, status, None if status < 400 else content[:200].decode(errors="replace"), None,
+                     [], text, usage)
+        media = attempt.response.headers.get("content-type", "application/json")
+        return Response(content, status_code=status, media_type=media, headers=headers)
+
+    async def _stream(self, ctx: RequestContext, attempt: Attempt) -> AsyncIterator[bytes]:
+        splitter, reading = EventSplitter(), StreamReading()
+        first_token: float | None = None
+        gaps: list[float] = []
+        last = None
+        status, error = 200, None
+        try:
+            async for chunk in attempt.response.aiter_raw():
+                out = []
+                for payload in splitter.feed(chunk):
+                    new_text, usage_only = read_event(payload, reading)
+                    if new_text:
+                        now = time.perf_counter()
+                        if first_token is None:
+                            first_token = now
+                        else:
+                            gaps.append(now - last)
+                        last = now
+                    if usage_only and not ctx.wants_usage:
+                        continue
+                    out.append(b"data: " + payload + b"\n\n")
+                if out:
+                    yield b"".join(out)
+            if reading.error is not None:
+                status, error = 599, f"error event: {reading.error.get('message', '')}"[:200]
+        except httpx.HTTPError as exc:
+            status, error = 599, f"{type(exc).__name__}: {exc}"
+            yield b"data: " + orjson.dumps(GatewayError(502, "the replica broke off the stream", "server_error")
+                                           .body()) + b"\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            status, error = 499, "client disconnected"
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await attempt.release()
+                ttft = (first_token - ctx.perf_start) if first_token is not None else None
+                self._finish(ctx, attempt, status, error, ttft, gaps, reading.text, reading.usage)
+
+    def _finish(self, ctx: RequestContext, attempt: Attempt, status: int, error: str | None, ttft_s: float | None,
+                gaps: list[float], text: str | None, usage: dict | None) -> None:
+        e2e = time.perf_counter() - ctx.perf_start
+        variant = attempt.variant
+        m = self.metrics
+        m.requests.labels(variant, attempt.version, str(status)).inc()
+        m.e2e.labels(variant).observe(e2e)
+        if ttft_s is not None:
+            m.ttft.labels(variant).observe(ttft_s)
+        itl_hist = m.itl.labels(variant)
+        for gap in gaps:
+            itl_hist.observe(gap)
+        prompt_tokens = completion_tokens = None
+        if isinstance(usage, dict):
+            prompt_tokens, completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt_tokens, int):
+                m.tokens.labels(variant, "prompt").inc(prompt_tokens)
+            if isinstance(completion_tokens, int):
+                m.tokens.labels(variant, "completion").inc(completion_tokens)
+        self.store.add(RequestRecord(
+            ts=ctx.wall_start, request_id=ctx.request_id, variant=variant, version=attempt.version,
+            replica=attempt.replica.url, status=status, error=error,
+            ttft_ms=ttft_s * 1000 if ttft_s is not None else None,
+            itl_ms=(sum(gaps) / len(gaps) * 1000) if gaps else None, e2e_ms=e2e * 1000,
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, stream=ctx.stream, probe=ctx.probe))
+        self._settle(ctx, usage)
+        if ctx.mirror is not None:
+            ctx.mirror.primary_done(text or "", status, e2e * 1000)
+        log.info("%s %s key=%s variant=%s v%s -> %d in %.0f ms", ctx.request_id, ctx.path, ctx.key.name, variant,
+                 attempt.version or "?", status, e2e * 1000)
+
+    def _settle(self, ctx: RequestContext, usage: dict | None) -> None:
+        if ctx.reservation is None:
+            return
+        total = usage.get("total_tokens") if isinstance(usage, dict) else None
+        self.limiter.settle(ctx.reservation, float(total) if isinstance(total, int) else None)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _reject_reason(exc: GatewayError) -> str:
+    return {401: "auth", 403: "forbidden", 404: "model", 429: "rate_limit"}.get(exc.status, "bad_request")

@@ -1,0 +1,155 @@
+"""The routing state (who serves what, at which weight) and the sticky canary split.
+
+Sticky split: each conversation key (``X-Session-Id``, else the request's ``user``, else the API key)
+hashes to a bucket in [0, 10000); buckets below ``canary_weight × 100`` go to the canary. The hash is
+salted per rollout (``split_salt``), so each rollout samples different users, but within a rollout a
+key keeps its bucket: one conversation never flips between models, and raising the weight from w1 to
+w2 moves exactly the keys whose bucket lies in [w1, w2) — nobody already on the canary comes back.
+
+The state is persisted with an atomic write on every change, with a generation number so two writers
+(a person and the controller) cannot silently overwrite each other (the admin API checks it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from artifacts.common.atomic import atomic_write_json
+from artifacts.errors import ConfigError
+
+BUCKETS = 10_000
+STATE_FILE = "routing.json"
+
+
+@dataclass
+class Variant:
+    replicas: list[str] = field(default_factory=list)
+    version: str = ""
+    served_model: str = ""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.replicas)
+
+
+@dataclass
+class Fault:
+    """A drill, not a bug: added delay before forwarding, and a share of requests failed (HTTP 503)."""
+
+    delay_ms: float = 0.0
+    abort_percent: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.delay_ms < 0 or not 0 <= self.abort_percent <= 100:
+            raise ValueError("fault: delay_ms must be >= 0 and abort_percent in [0, 100]")
+
+    @property
+    def active(self) -> bool:
+        return self.delay_ms > 0 or self.abort_percent > 0
+
+
+@dataclass
+class RoutingState:
+    champion: Variant = field(default_factory=Variant)
+    canary: Variant = field(default_factory=Variant)
+    shadow: Variant = field(default_factory=Variant)
+    canary_weight: float = 0.0  # percent of conversations
+    shadow_fraction: float = 0.0  # share of champion requests mirrored
+    split_salt: str = "default"
+    model_name: str = ""  # the public model id; "" → the champion's served model
+    faults: dict[str, Fault] = field(default_factory=dict)
+    generation: int = 0
+    updated_at: float = 0.0
+    updated_by: str = ""
+
+    def variant(self, name: str) -> Variant:
+        if name not in ("champion", "canary", "shadow"):
+            raise KeyError(name)
+        return getattr(self, name)
+
+    @property
+    def public_model(self) -> str:
+        return self.model_name or self.champion.served_model or "default"
+
+    def validate(self) -> None:
+        if not 0.0 <= self.canary_weight <= 100.0:
+            raise ValueError(f"canary_weight: must be in [0, 100], got {self.canary_weight}")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError(f"shadow_fraction: must be in [0, 1], got {self.shadow_fraction}")
+        for name in ("champion", "canary", "shadow"):
+            for url in self.variant(name).replicas:
+                if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{name}.replicas: {url!r} is not an http(s) URL")
+        for name in self.faults:
+            if name not in ("champion", "canary", "shadow"):
+                raise ValueError(f"faults: unknown variant {name!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RoutingState:
+        data = dict(data)
+        try:
+            for name in ("champion", "canary", "shadow"):
+                data[name] = Variant(**(data.get(name) or {}))
+            data["faults"] = {k: Fault(**v) for k, v in (data.get("faults") or {}).items()}
+            state = cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"routing state: {exc}") from None
+        for name in ("champion", "canary", "shadow"):
+            state.variant(name).replicas = [u.rstrip("/") for u in state.variant(name).replicas]
+        state.validate()
+        return state
+
+
+def bucket_of(salt: str, key: str) -> int:
+    digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % BUCKETS
+
+
+def choose_variant(state: RoutingState, conversation_key: str | None, rng: random.Random | None = None) -> str:
+    """``"canary"`` or ``"champion"`` for one request; sticky when a conversation key is known."""
+    if not state.canary.active or state.canary_weight <= 0:
+        return "champion"
+    threshold = round(state.canary_weight * BUCKETS / 100)
+    if conversation_key is None:
+        draw = (rng or random).random() * BUCKETS
+        return "canary" if draw < threshold else "champion"
+    return "canary" if bucket_of(state.split_salt, conversation_key) < threshold else "champion"
+
+
+class RoutingStore:
+    """The routing state on disk: loaded at start, written atomically on every change."""
+
+    def __init__(self, state_dir: str | Path, initial: RoutingState) -> None:
+        self.path = Path(state_dir) / STATE_FILE
+        if self.path.is_file():
+            try:
+                self.state = RoutingState.from_json(json.loads(self.path.read_text(encoding="utf-8")))
+            except (json.JSONDecodeError, ValueError) as exc:
+                raise ConfigError(f"{self.path}: cannot restore the routing state ({exc}); fix or remove it") \
+                    from None
+            self.restored = True
+        else:
+            self.state = initial
+            self.restored = False
+            self.save()
+
+    def save(self) -> None:
+        atomic_write_json(self.path, self.state.to_json())
+
+    def replace(self, new: RoutingState, actor: str) -> RoutingState:
+        new.validate()
+        new.generation = self.state.generation + 1
+        new.updated_at = time.time()
+        new.updated_by = actor
+        self.state = new
+        self.save()
+        return new

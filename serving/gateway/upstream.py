@@ -1,0 +1,122 @@
+"""Open a request on a variant's replicas, retrying before the first byte so users never see a dead replica.
+
+Order of attempts: each healthy replica of the chosen variant (least loaded first), then, for a canary
+request, the champion's. An attempt fails when the replica cannot be reached, or answers 5xx or 429
+before sending anything; the failure is recorded against that replica's variant (it is the canary's
+evidence) and the next attempt starts. A 4xx other than 429 is the client's and is passed through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+
+from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.observations import ObservationStore, RequestRecord
+from serving.gateway.replicas import Replica, ReplicaPools
+from serving.gateway.routing import RoutingStore
+
+RETRYABLE = frozenset({429, 500, 502, 503, 504})
+
+
+class NoReplicaAvailable(Exception):
+    """Every replica of every variant in the order failed or is ejected."""
+
+
+@dataclass
+class Attempt:
+    """An upstream response whose status is known and whose body has not been read yet."""
+
+    variant: str
+    version: str
+    replica: Replica
+    response: httpx.Response
+    failed_before: list[RequestRecord] = field(default_factory=list)
+
+    async def release(self) -> None:
+        self.replica.in_flight -= 1
+        await self.response.aclose()
+
+
+class Forwarder:
+    def __init__(self, client: httpx.AsyncClient, pools: ReplicaPools, routing: RoutingStore,
+                 store: ObservationStore, metrics: GatewayMetrics, rng: random.Random | None = None) -> None:
+        self.client = client
+        self.pools = pools
+        self.routing = routing
+        self.store = store
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+
+    def payload(self, body: dict, variant: str) -> bytes:
+        served = self.routing.state.variant(variant).served_model
+        return orjson.dumps({**body, "model": served} if served else body)
+
+    async def open(self, request_id: str, path: str, body: dict, order: list[str], wall_start: float,
+                   *, stream: bool, probe: bool) -> Attempt:
+        failed: list[RequestRecord] = []
+        last_reason = "no healthy replica"
+        for variant in order:
+            state = self.routing.state
+            version = state.variant(variant).version
+            fault = state.faults.get(variant)
+            payload = self.payload(body, variant)
+            for replica in self.pools.pick_order(variant):
+                if fault is not None and fault.delay_ms > 0:  # a drill: this variant answers slowly
+                    await asyncio.sleep(fault.delay_ms / 1000)
+                if fault is not None and self.rng.random() * 100 < fault.abort_percent:
+                    failed.append(self._failure(request_id, variant, version, replica, 503, "injected fault",
+                                                wall_start, stream, probe))
+                    last_reason = f"{variant}: injected fault"
+                    continue
+                replica.in_flight += 1
+                try:
+                    request = self.client.build_request(
+                        "POST", replica.url + path, content=payload,
+                        headers={"content-type": "application/json", "x-request-id": request_id})
+                    response = await self.client.send(request, stream=True)
+                except httpx.HTTPError as exc:
+                    replica.in_flight -= 1
+                    reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                    self.pools.failed(replica, reason)
+                    failed.append(self._failure(request_id, variant, version, replica, 599, reason, wall_start,
+                                                stream, probe))
+                    last_reason = f"{variant} {replica.url}: {reason}"
+                    continue
+                if response.status_code in RETRYABLE:
+                    await response.aread()
+                    await response.aclose()
+                    replica.in_flight -= 1
+                    if response.status_code != 429:
+                        self.pools.failed(replica, f"HTTP {response.status_code}")
+                    failed.append(self._failure(request_id, variant, version, replica, response.status_code,
+                                                response.text[:200], wall_start, stream, probe))
+                    last_reason = f"{variant} {replica.url}: HTTP {response.status_code}"
+                    continue
+                self.pools.succeeded(replica)
+                for record in failed:
+                    record.fallback_to = variant
+                    self.metrics.fallbacks.labels(record.variant, variant).inc()
+                return Attempt(variant, version, replica, response, failed)
+        for record in failed:
+            self.store.add(record)
+            self.metrics.requests.labels(record.variant, record.version, str(record.status)).inc()
+        raise NoReplicaAvailable(last_reason)
+
+    @staticmethod
+    def _failure(request_id: str, variant: str, version: str, replica: Replica, status: int, error: str,
+                 wall_start: float, stream: bool, probe: bool) -> RequestRecord:
+        return RequestRecord(ts=wall_start, request_id=request_id, variant=variant, version=version,
+                             replica=replica.url, status=status, error=error,
+                             e2e_ms=(time.time() - wall_start) * 1000, stream=stream, probe=probe)
+
+    def record_failures(self, attempt: Attempt) -> None:
+        """Store the attempts that failed before ``attempt`` answered (the canary's errors, say)."""
+        for record in attempt.failed_before:
+            self.store.add(record)
+            self.metrics.requests.labels(record.variant, record.version, str(record.status)).inc()
