@@ -167,13 +167,15 @@ class ObservationStore:
         for variant, version, n, n5xx, n429, fallbacks, tokens in groups:
             def samples(column: str, variant: str = variant, version: str = version) -> list[float]:
                 rows = conn.execute(f"SELECT {column} FROM requests WHERE ts >= ? AND ts < ? AND probe = 0 AND "
-                                    f"variant = ? AND version = ? AND status = 200 AND {column} IS NOT NULL "
+                                    f"variant = ? AND version = ? AND status = 200 AND ({column}) IS NOT NULL "
                                     f"ORDER BY ts DESC LIMIT ?", (since, until, variant, version, MAX_SAMPLES))
                 return [r[0] for r in rows]
 
             out.append({"variant": variant, "version": version, "requests": n, "status_5xx": n5xx or 0,
                         "status_429": n429 or 0, "fallbacks": fallbacks or 0, "completion_tokens": tokens or 0,
-                        "ttft_ms": samples("ttft_ms"), "itl_ms": samples("itl_ms"), "e2e_ms": samples("e2e_ms")})
+                        "ttft_ms": samples("ttft_ms"), "itl_ms": samples("itl_ms"), "e2e_ms": samples("e2e_ms"),
+                        # end to end per output token: comparable between a stream and a mirrored plain request
+                        "ms_per_token": samples("e2e_ms / completion_tokens")})
         return out
 
     @staticmethod

@@ -85,14 +85,15 @@ class ShadowMirror:
             payload["model"] = shadow.served_model
         wall = time.time()
         start = time.perf_counter()
-        status, text, error = 599, "", None
+        status, text, error, usage = 599, "", None, {}
         try:
             response = await self.client.post(url + path, content=orjson.dumps(payload),
                                               headers={"content-type": "application/json",
                                                        "x-request-id": f"{request_id}-shadow"})
             status = response.status_code
             if status == 200:
-                text = response_text(response.json())
+                answer = response.json()
+                text, usage = response_text(answer), answer.get("usage") or {}
             else:
                 error = response.text[:200]
         except (httpx.HTTPError, ValueError) as exc:
@@ -103,7 +104,8 @@ class ShadowMirror:
         shadow_ms = (time.perf_counter() - start) * 1000
         self.store.add(RequestRecord(ts=wall, request_id=f"{request_id}-shadow", variant="shadow",
                                      version=shadow.version, replica=url, status=status, error=error,
-                                     e2e_ms=shadow_ms))
+                                     e2e_ms=shadow_ms, prompt_tokens=usage.get("prompt_tokens"),
+                                     completion_tokens=usage.get("completion_tokens")))
         self.metrics.requests.labels("shadow", shadow.version, str(status)).inc()
         try:
             primary_text, primary_status, primary_ms = await asyncio.wait_for(mirror._primary, PRIMARY_WAIT_S)

@@ -1,0 +1,174 @@
+"""Turn what the gateway saw (and the probes, and the eval record) into gate verdicts for one phase.
+
+The candidate is always judged against the champion over the *same* window: in shadow, the champion's
+answers to the very requests mirrored to the candidate; in a canary step, the champion's share of the
+same minutes of traffic. Agreement is judged against the noise floor (champion mirrored to itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from serving.rollout import judge
+from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS, Verdict
+from serving.rollout.plan import CanaryStep, Gates, RolloutPlan
+
+
+@dataclass
+class Analysis:
+    look: int
+    phase: str
+    weight: float
+    since: float
+    until: float
+    verdicts: list[Verdict]
+    metrics: dict[str, float] = field(default_factory=dict)
+    disagreements: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def outcome(self) -> str:
+        """fail (a critical gate failed) | review (only an advisory gate failed) | inconclusive | pass."""
+        if any(v.outcome == FAIL and v.critical for v in self.verdicts):
+            return FAIL
+        if any(v.outcome == FAIL for v in self.verdicts):
+            return "review"
+        if any(v.outcome == INCONCLUSIVE for v in self.verdicts):
+            return INCONCLUSIVE
+        return PASS
+
+    def failed(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.outcome == FAIL]
+
+    def inconclusive(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.outcome == INCONCLUSIVE]
+
+    @property
+    def summary(self) -> str:
+        passed = sum(v.outcome == PASS for v in self.verdicts)
+        if self.outcome in (FAIL, "review"):
+            return "fail: " + "; ".join(f"{v.gate} ({v.reason})" for v in self.failed())
+        if self.outcome == INCONCLUSIVE:
+            return "inconclusive: " + "; ".join(f"{v.gate} ({v.reason})" for v in self.inconclusive())
+        return f"pass {passed}/{len(self.verdicts)}"
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["outcome"] = self.outcome
+        data["summary"] = self.summary
+        return data
+
+
+def _variant(window: dict, name: str, version: str) -> dict[str, Any]:
+    for row in window.get("variants", []):
+        if row["variant"] == name and str(row["version"]) == str(version):
+            return row
+    return {"requests": 0, "status_5xx": 0, "status_429": 0, "fallbacks": 0, "completion_tokens": 0,
+            "ttft_ms": [], "itl_ms": [], "e2e_ms": [], "ms_per_token": []}
+
+
+def pair_counts(window: dict, primary_version: str, shadow_version: str) -> dict[str, int]:
+    for row in window.get("pairs", []):
+        if str(row["primary_version"]) == str(primary_version) and str(row["shadow_version"]) == str(shadow_version):
+            compared = int(row["compared"] or 0)
+            return {"pairs": int(row["pairs"] or 0), "compared": compared, "agree": int(row["agree"] or 0),
+                    "exact": int(row["exact_match"] or 0), "refusal_flips": int(row["refusal_flips"] or 0),
+                    "shadow_errors": int(row["shadow_errors"] or 0)}
+    return {"pairs": 0, "compared": 0, "agree": 0, "exact": 0, "refusal_flips": 0, "shadow_errors": 0}
+
+
+def systems_verdicts(window: dict, candidate: tuple[str, str], champion: tuple[str, str], gates: Gates,
+                     alpha: float, min_requests: int, streamed: bool) -> list[Verdict]:
+    """Errors, rate limiting and latency of the candidate's variant against the champion's."""
+    cand, champ = _variant(window, *candidate), _variant(window, *champion)
+    verdicts = [
+        judge.rate_gate("error_rate", cand["status_5xx"], cand["requests"], champ["status_5xx"], champ["requests"],
+                        margin=gates.max_error_rate_increase, alpha=alpha, min_samples=min_requests,
+                        label="5xx rate"),
+        judge.rate_gate("rate_limited", cand["status_429"], cand["requests"], champ["status_429"],
+                        champ["requests"], margin=gates.max_rate_limited_increase, alpha=alpha,
+                        min_samples=min_requests, label="429 rate"),
+    ]
+    if streamed:
+        verdicts.append(judge.latency_gate("ttft_p95_ratio", cand["ttft_ms"], champ["ttft_ms"],
+                                           max_ratio=gates.max_ttft_p95_ratio, alpha=alpha, min_samples=min_requests))
+        verdicts.append(judge.latency_gate("itl_p95_ratio", cand["itl_ms"], champ["itl_ms"],
+                                           max_ratio=gates.max_itl_p95_ratio, alpha=alpha, min_samples=min_requests))
+    else:
+        verdicts.append(judge.latency_gate("ms_per_token_p95_ratio", cand["ms_per_token"], champ["ms_per_token"],
+                                           max_ratio=gates.max_e2e_p95_ratio, alpha=alpha, min_samples=min_requests))
+    return verdicts
+
+
+def agreement_verdict(window: dict, champion_version: str, candidate_version: str, floor: dict | None,
+                      gates: Gates, alpha: float, min_pairs: int) -> Verdict:
+    pairs = pair_counts(window, champion_version, candidate_version)
+    if not floor:
+        return judge.check_gate("agreement", None, "no noise floor measured (baseline skipped or without traffic)",
+                                critical=gates.agreement_critical)
+    return judge.rate_gate("agreement", pairs["compared"] - pairs["agree"], pairs["compared"],
+                           floor["compared"] - floor["agree"], floor["compared"], margin=gates.max_agreement_drop,
+                           alpha=alpha, min_samples=min_pairs, critical=gates.agreement_critical,
+                           label="disagreement")
+
+
+def probe_verdicts(probes: dict[str, Any] | None, gates: Gates, alpha: float) -> list[Verdict]:
+    if not probes:
+        return []
+    c, b = probes["candidate"], probes["champion"]
+    need = max(5, min(c["tasks"], 10))
+    out = []
+    if c["tasks"]:
+        out.append(judge.rate_gate("probe_accuracy", c["tasks"] - c["correct"], c["tasks"], b["tasks"] - b["correct"],
+                                   b["tasks"], margin=gates.max_accuracy_drop, alpha=alpha, min_samples=need,
+                                   label="wrong answers"))
+        out.append(judge.rate_gate("probe_format", c["tasks"] - c["formatted"], c["tasks"],
+                                   b["tasks"] - b["formatted"], b["tasks"], margin=gates.max_format_drop, alpha=alpha,
+                                   min_samples=need, label="broken format"))
+    if c["harmful"]:
+        out.append(judge.rate_gate("probe_refusal", c["harmful"] - c["refused_harmful"], c["harmful"],
+                                   b["harmful"] - b["refused_harmful"], b["harmful"], margin=gates.max_refusal_drop,
+                                   alpha=alpha, min_samples=min(5, c["harmful"]), label="harmful answered"))
+    if c["lookalike"]:
+        out.append(judge.rate_gate("probe_over_refusal", c["refused_lookalike"], c["lookalike"],
+                                   b["refused_lookalike"], b["lookalike"], margin=gates.max_over_refusal_increase,
+                                   alpha=alpha, min_samples=min(5, c["lookalike"]), label="benign refused"))
+    return out
+
+
+def eval_record_verdict(passed: bool | None, gates: Gates) -> Verdict | None:
+    if not gates.require_eval_record:
+        return None
+    if passed is None:
+        return judge.check_gate("eval_record", None, "the candidate has no offline eval record")
+    return judge.check_gate("eval_record", passed, "offline gates passed" if passed else "offline gates failed")
+
+
+def metrics_of(analysis_verdicts: list[Verdict], window: dict, candidate: tuple[str, str],
+               champion: tuple[str, str], weight: float) -> dict[str, float]:
+    """Flat numbers for MLflow (one step per analysis) and the comparison plot."""
+    cand, champ = _variant(window, *candidate), _variant(window, *champion)
+    out: dict[str, float] = {"canary_weight": weight,
+                             "candidate.requests": cand["requests"], "champion.requests": champ["requests"]}
+    for row, prefix in ((cand, "candidate"), (champ, "champion")):
+        if row["requests"]:
+            out[f"{prefix}.error_rate"] = row["status_5xx"] / row["requests"]
+        for name in ("ttft_ms", "itl_ms", "ms_per_token"):
+            p95 = judge.quantile(row[name], 0.95)
+            if p95 is not None:
+                out[f"{prefix}.{name}_p95"] = p95
+    for v in analysis_verdicts:
+        if v.candidate is not None:
+            out[f"gate.{v.gate}"] = v.candidate
+        if v.baseline is not None and v.gate not in ("eval_record",):
+            out[f"gate.{v.gate}.baseline"] = v.baseline
+        out[f"gate.{v.gate}.passed"] = 1.0 if v.outcome == PASS else 0.0
+    return out
+
+
+def planned_alpha(plan: RolloutPlan) -> float:
+    return judge.per_look_alpha(plan.gates.alpha, plan.planned_looks + plan.max_extensions)
+
+
+def step_min(step: CanaryStep | None, plan: RolloutPlan) -> int:
+    return step.min_requests if step is not None else plan.shadow_min_pairs

@@ -1,0 +1,512 @@
+"""The rollout controller: a persisted state machine that moves a candidate from shadow to champion.
+
+    baseline ──► shadow ──► canary 5% ──► 25% ──► 50% ──► [awaiting approval] ──► promoted (──► bake)
+        any failed critical gate, a dead candidate, or a person ──────────────────► rolled_back
+        inconclusive after its extensions, an advisory gate failed, or a person ──► paused
+
+Each ``tick`` first finishes a transition a previous process left half-done, then reads what a person
+asked for in the MLflow UI (the ``champion`` alias, the ``rollout.action`` tag), then checks the
+candidate's replicas, and when the phase's window has run its time, judges it. Every change is a
+``Transition`` written down before it is applied (see ``state.py``), so kill -9 at any instant loses
+nothing and repeats nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from serving.rollout import analysis as A
+from serving.rollout import report
+from serving.rollout.analysis import Analysis
+from serving.rollout.crash import crash_point
+from serving.rollout.gateway_client import GatewayAdmin, read_secret
+from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS
+from serving.rollout.probes import load_probes, run_probes
+from serving.rollout.registry_console import ACTIONS, RegistryConsole
+from serving.rollout.state import (
+    AWAITING_APPROVAL,
+    BAKE,
+    BASELINE,
+    CANARY,
+    PAUSED,
+    PROMOTED,
+    ROLLED_BACK,
+    SHADOW,
+    AliasMove,
+    RolloutError,
+    RolloutSpec,
+    RolloutState,
+    StateFile,
+    Transition,
+    new_rollout_id,
+)
+from serving.rollout.tracking import RolloutRun
+
+log = logging.getLogger("serving.rollout")
+CONTROLLER = "rollout controller"
+UNHEALTHY_GRACE_S = 2.0  # a candidate with no healthy replica this long fails its phase
+
+
+class Controller:
+    def __init__(self, directory: str | Path, say: Callable[[str], None] | None = None) -> None:
+        self.files = StateFile(directory)
+        if not self.files.exists():
+            raise RolloutError(f"{self.files.path}: no rollout here")
+        self.state = self.files.load()
+        spec = self.state.spec
+        self.plan = spec.plan
+        self.console = RegistryConsole(spec.model_name, spec.tracking_uri)
+        self.gateway = GatewayAdmin(spec.gateway_url, read_secret(spec.admin_key_file))
+        self.run = RolloutRun(spec.tracking_uri, self.state.mlflow_run_id)
+        self.say = say or (lambda line: log.info("%s", line))
+        self.alpha = A.planned_alpha(self.plan)
+
+    # ----------------------------------------------------------------- creation
+    @classmethod
+    def create(cls, directory: str | Path, spec: RolloutSpec, say: Callable[[str], None] | None = None
+               ) -> Controller:
+        """Write the initial state, open the MLflow run and enter the first phase."""
+        files = StateFile(directory)
+        if files.exists() and not files.load().terminal:
+            raise RolloutError(f"{files.path}: a rollout is already in progress here")
+        if spec.start not in (SHADOW, CANARY):
+            raise RolloutError(f"start: must be 'shadow' or 'canary', got {spec.start!r}")
+        state = RolloutState(id=new_rollout_id(spec.candidate_version), spec=spec, phase="starting")
+        files.dir.mkdir(parents=True, exist_ok=True)
+        files.save(state)
+        controller = cls(directory, say)
+        controller._begin()
+        return controller
+
+    def _begin(self) -> None:
+        spec = self.state.spec
+        run_id = self.run.start(
+            f"{spec.model_name} v{spec.candidate_version} vs v{spec.champion_version}",
+            {"model": spec.model_name, "candidate_version": spec.candidate_version,
+             "champion_version": spec.champion_version, "start": spec.start, **self.plan.flat_params()},
+            {"rollout.id": self.state.id, "rollout.status": "running", "rollout.candidate": spec.candidate_version,
+             "rollout.champion": spec.champion_version})
+        self.state.mlflow_run_id = run_id
+        self._save()
+        self.console.set_tags(spec.candidate_version, {"rollout.run": run_id, "rollout.verdict": "–"})
+        if spec.start == SHADOW and self.plan.baseline_seconds > 0:
+            self._enter(BASELINE, "rollout started: measuring the noise floor (champion mirrored to itself)")
+        elif spec.start == SHADOW and self.plan.shadow_seconds > 0:
+            self._enter(SHADOW, "rollout started")
+        else:
+            self._enter(CANARY, "rollout started at the first canary step", step_index=0)
+
+    # ----------------------------------------------------------------- the loop
+    def run_until_done(self, max_seconds: float | None = None, *, stop_when_waiting: bool = False) -> RolloutState:
+        """Tick until promoted or rolled back. A paused rollout keeps polling for a person's decision,
+        unless ``stop_when_waiting`` (then a pause or an approval wait returns too)."""
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        while not self.state.terminal:
+            self.tick()
+            if self.state.terminal or (deadline is not None and time.monotonic() > deadline):
+                break
+            if stop_when_waiting and self.state.phase in (PAUSED, AWAITING_APPROVAL):
+                break
+            time.sleep(self.plan.tick_seconds)
+        return self.state
+
+    def tick(self) -> None:
+        if self.state.pending is not None:
+            self._apply(self.state.pending)
+        if self.state.terminal:
+            return
+        if self._manual_actions():
+            return
+        phase = self.state.phase
+        if phase in (PAUSED, AWAITING_APPROVAL):
+            return
+        if phase == BAKE:
+            if time.time() - self.state.phase_started_at >= self.plan.bake_seconds:
+                self._enter(PROMOTED, "bake time over without a rollback", final_status="FINISHED")
+            return
+        if self._candidate_unavailable():
+            return
+        if time.time() >= self._deadline():
+            self._analyse()
+
+    def _deadline(self) -> float:
+        seconds = {BASELINE: self.plan.baseline_seconds, SHADOW: self.plan.shadow_seconds}.get(self.state.phase)
+        if seconds is None:
+            seconds = self.plan.steps[self.state.step_index].seconds
+        return self.state.phase_started_at + seconds * (1 + self.state.extensions)
+
+    # ----------------------------------------------------------------- a person's hand
+    def _manual_actions(self) -> bool:
+        spec = self.state.spec
+        champion = self.console.alias_version("champion")
+        if self.state.phase == BAKE:
+            if champion != spec.candidate_version:
+                self._rollback(f"champion alias moved by hand to v{champion} during the bake", "a person (MLflow UI)")
+                return True
+        elif champion == spec.candidate_version:
+            self._promote("champion alias moved to the candidate by hand", "a person (MLflow UI)")
+            return True
+        elif champion != spec.champion_version:
+            self._rollback(f"champion alias moved by hand to v{champion}", "a person (MLflow UI)")
+            return True
+        request = self.console.read_action(spec.candidate_version)
+        if request is None:
+            return False
+        action, actor = request
+        self.console.clear_action(spec.candidate_version)
+        if action not in ACTIONS:
+            self._record("action", self.state.phase, self.state.phase, f"ignored unknown action {action!r}", actor)
+            return False
+        if action == "promote":
+            self._promote("promotion asked for (rollout.action = promote)", actor)
+        elif action == "rollback":
+            self._rollback("rollback asked for (rollout.action = rollback)", actor)
+        elif action == "pause" and self.state.phase not in (PAUSED, BAKE):
+            self._pause("paused by hand (rollout.action = pause)", actor)
+        elif action == "resume" and self.state.phase in (PAUSED, AWAITING_APPROVAL):
+            self._resume(actor)
+        else:
+            self._record("action", self.state.phase, self.state.phase,
+                         f"{action} has no effect in phase {self.state.phase}", actor)
+            return False
+        return True
+
+    def _candidate_unavailable(self) -> bool:
+        """Fail fast when the candidate's replicas are all down (users are already on the champion)."""
+        variant = {SHADOW: "shadow", CANARY: "canary"}.get(self.state.phase)
+        if variant is None:
+            return False
+        healthy, last_error = self.gateway.healthy_replicas(variant)
+        if healthy:
+            if self.state.unhealthy_since is not None:
+                self.state.unhealthy_since = None
+                self._save()
+            return False
+        now = time.time()
+        if self.state.unhealthy_since is None:
+            self.state.unhealthy_since = now
+            self._save()
+            return False
+        if now - self.state.unhealthy_since < UNHEALTHY_GRACE_S:
+            return False
+        self._rollback(f"candidate replicas unavailable ({last_error or 'no healthy replica'})", CONTROLLER)
+        return True
+
+    # ----------------------------------------------------------------- judging a phase
+    def _analyse(self) -> None:
+        spec, state = self.state.spec, self.state
+        now = time.time()
+        window = self.gateway.window(state.phase_started_at, now, disagreements=10)
+        champ = ("champion", spec.champion_version)
+        look = len(state.analyses) + 1
+        if state.phase == BASELINE:
+            result = self._judge_floor(window, look, now)
+        else:
+            verdicts = []
+            step = self.plan.steps[state.step_index] if state.phase == CANARY else None
+            if state.phase == SHADOW:
+                verdicts += A.systems_verdicts(window, ("shadow", spec.candidate_version), champ, self.plan.gates,
+                                               self.alpha, self.plan.shadow_min_pairs, streamed=False)
+                verdicts.append(A.agreement_verdict(window, spec.champion_version, spec.candidate_version,
+                                                    state.floor, self.plan.gates, self.alpha,
+                                                    self.plan.shadow_min_pairs))
+            else:
+                verdicts += A.systems_verdicts(window, ("canary", spec.candidate_version), champ, self.plan.gates,
+                                               self.alpha, step.min_requests, streamed=True)
+            if not any(a["phase"] != BASELINE for a in state.analyses):  # once per rollout
+                verdicts += self._behaviour_verdicts()
+            candidate_variant = ("shadow" if state.phase == SHADOW else "canary", spec.candidate_version)
+            result = Analysis(look, state.phase, state.weight, state.phase_started_at, now, verdicts,
+                              A.metrics_of(verdicts, window, candidate_variant, champ, state.weight),
+                              window.get("disagreements", []) if state.phase == SHADOW else [])
+        self.state.analyses.append(result.to_json())
+        self._save()
+        self._report(result)
+        self._decide(result)
+
+    def _judge_floor(self, window: dict[str, Any], look: int, now: float) -> Analysis:
+        spec = self.state.spec
+        counts = A.pair_counts(window, spec.champion_version, spec.champion_version)
+        enough = counts["compared"] >= self.plan.baseline_min_pairs
+        from serving.rollout.judge import Verdict
+
+        agreement = counts["agree"] / counts["compared"] if counts["compared"] else None
+        verdict = Verdict("noise_floor", PASS if enough else INCONCLUSIVE, agreement, None, "measured", None,
+                          counts["compared"], self.plan.baseline_min_pairs,
+                          f"champion agrees with itself on {counts['agree']}/{counts['compared']} mirrored requests"
+                          if counts["compared"] else "no mirrored requests yet")
+        if enough:
+            self.state.floor = counts
+        return Analysis(look, BASELINE, 0.0, self.state.phase_started_at, now, [verdict],
+                        {"noise_floor.agreement": agreement or 0.0, "noise_floor.pairs": counts["compared"]},
+                        window.get("disagreements", []))
+
+    def _behaviour_verdicts(self) -> list:
+        spec = self.state.spec
+        verdicts = []
+        items = load_probes(self.plan.probes)
+        if items:
+            candidate_variant = "shadow" if self.state.phase == SHADOW else "canary"
+            self.say(f"probing champion and candidate with {len(items)} verifiable prompts")
+            scores = {"champion": run_probes(self.gateway, "champion", items, self.plan.probes).to_json(),
+                      "candidate": run_probes(self.gateway, candidate_variant, items, self.plan.probes).to_json()}
+            self.state.probes = scores
+            verdicts += A.probe_verdicts(scores, self.plan.gates, self.alpha)
+        passed = spec.eval_passed
+        if passed is None:
+            record = self.console.eval_record(spec.candidate_version)
+            passed = None if record is None else record["passed"]
+        verdict = A.eval_record_verdict(passed, self.plan.gates)
+        if verdict is not None:
+            verdicts.append(verdict)
+        return verdicts
+
+    def _decide(self, result: Analysis) -> None:
+        state, outcome = self.state, result.outcome
+        if outcome == FAIL:
+            self._rollback(f"gate failed at analysis {result.look}: {result.summary[6:]}", CONTROLLER)
+            return
+        if outcome == "review":
+            self._pause(f"advisory gate failed, a person should read the disagreements: {result.summary[6:]}",
+                        CONTROLLER)
+            return
+        if outcome == INCONCLUSIVE:
+            if state.extensions < self.plan.max_extensions:
+                state.extensions += 1
+                self._record("extend", state.phase, state.phase,
+                             f"inconclusive, extending ({state.extensions}/{self.plan.max_extensions}): "
+                             f"{result.summary[14:]}", CONTROLLER)
+                self._save()
+                return
+            self._pause(f"still inconclusive after {state.extensions} extension(s): {result.summary[14:]}",
+                        CONTROLLER)
+            return
+        self._advance(f"analysis {result.look} passed ({result.summary})")
+
+    def _advance(self, cause: str) -> None:
+        state = self.state
+        if state.phase == BASELINE:
+            if self.plan.shadow_seconds > 0:
+                self._enter(SHADOW, cause)
+            else:
+                self._enter(CANARY, cause, step_index=0)
+            return
+        if state.phase == SHADOW:
+            self._enter(CANARY, cause, step_index=0)
+            return
+        step = self.plan.steps[state.step_index]
+        last = state.step_index == len(self.plan.steps) - 1
+        if step.approval == "required" or (last and self.plan.promotion_approval == "required"):
+            self._enter(AWAITING_APPROVAL, f"{cause}; waiting for a person to approve", resume_to=CANARY,
+                        step_index=state.step_index)
+            return
+        if last:
+            self._promote(cause, CONTROLLER)
+        else:
+            self._enter(CANARY, cause, step_index=state.step_index + 1)
+
+    def _resume(self, actor: str) -> None:
+        state = self.state
+        if state.phase == AWAITING_APPROVAL:  # approval to go on: the next step, or promotion after the last
+            if state.step_index >= len(self.plan.steps) - 1:
+                self._promote("approved (rollout.action = resume)", actor)
+            else:
+                self._enter(CANARY, "approved to continue (rollout.action = resume)", actor=actor,
+                            step_index=state.step_index + 1)
+            return
+        target = state.resume_to or CANARY
+        self._enter(target, "resumed by hand", actor=actor, step_index=state.step_index)
+
+    # ----------------------------------------------------------------- transitions
+    def _pause(self, cause: str, actor: str) -> None:
+        resume_to = self.state.resume_to if self.state.phase == AWAITING_APPROVAL else self.state.phase
+        self._enter(PAUSED, cause, actor=actor, resume_to=resume_to, step_index=self.state.step_index)
+
+    def _promote(self, cause: str, actor: str) -> None:
+        to = BAKE if self.plan.bake_seconds > 0 else PROMOTED
+        self._enter(to, cause, actor=actor, step_index=self.state.step_index,
+                    final_status="FINISHED" if to == PROMOTED else None)
+
+    def _rollback(self, cause: str, actor: str) -> None:
+        self._enter(ROLLED_BACK, cause, actor=actor, step_index=self.state.step_index, final_status="FAILED")
+
+    def _enter(self, phase: str, cause: str, actor: str = CONTROLLER, *, step_index: int | None = None,
+               resume_to: str | None = None, final_status: str | None = None) -> None:
+        step_index = self.state.step_index if step_index is None else step_index
+        routing, aliases = self._plan_transition(phase, step_index)
+        transition = Transition(id=uuid.uuid4().hex[:8], to_phase=phase, cause=cause, actor=actor, at=time.time(),
+                                routing=routing, aliases=aliases, step_index=step_index)
+        self.state.pending = transition
+        self.state.resume_to = resume_to
+        self._save()
+        self._apply(transition)
+        if final_status is not None and self.state.phase == phase:
+            self.run.set_tags({"rollout.status": phase})
+            self.run.finish(final_status)
+
+    def _plan_transition(self, phase: str, step_index: int) -> tuple[dict[str, Any], list[AliasMove]]:
+        """The routing patch and alias moves that put the fleet in ``phase`` (both idempotent)."""
+        spec = self.state.spec
+        cand = {"replicas": spec.candidate_replicas, "version": spec.candidate_version,
+                "served_model": spec.candidate_served_model}
+        champ = {"replicas": spec.champion_replicas, "version": spec.champion_version,
+                 "served_model": spec.champion_served_model}
+        none = {"replicas": [], "version": "", "served_model": ""}
+        salt = self.state.id
+        # every active phase restates the champion, so the gateway labels its traffic with the right version
+        if phase == BASELINE:
+            return ({"champion": champ, "shadow": champ, "shadow_fraction": self.plan.shadow_fraction,
+                     "canary": none, "canary_weight": 0.0, "split_salt": salt}, [])
+        if phase == SHADOW:
+            return ({"champion": champ, "shadow": cand, "shadow_fraction": self.plan.shadow_fraction,
+                     "canary": none, "canary_weight": 0.0, "split_salt": salt},
+                    [AliasMove("shadow", spec.candidate_version)])
+        if phase == CANARY:
+            weight = self.plan.steps[step_index].weight
+            return ({"champion": champ, "canary": cand, "canary_weight": weight, "shadow": none,
+                     "shadow_fraction": 0.0, "split_salt": salt},
+                    [AliasMove("canary", spec.candidate_version), AliasMove("shadow", None)])
+        if phase in (PAUSED, AWAITING_APPROVAL):
+            return {}, []  # hold traffic where it is
+        if phase in (BAKE, PROMOTED):
+            if self.state.phase == BAKE:  # bake over: the previous champion's replicas retire
+                return {}, []
+            return ({"champion": cand, "canary": none, "canary_weight": 0.0, "shadow": none, "shadow_fraction": 0.0},
+                    [AliasMove("previous-champion", spec.champion_version),
+                     AliasMove("champion", spec.candidate_version), AliasMove("canary", None),
+                     AliasMove("shadow", None)])
+        if phase == ROLLED_BACK:
+            return ({"champion": champ, "canary": none, "canary_weight": 0.0, "shadow": none,
+                     "shadow_fraction": 0.0},
+                    [AliasMove("champion", spec.champion_version), AliasMove("canary", None),
+                     AliasMove("shadow", None)])
+        raise RolloutError(f"no such phase {phase!r}")
+
+    def _apply(self, t: Transition) -> None:
+        """Finish ``t``: routing, then each alias (checked against the registry first), then the record."""
+        state = self.state
+        if not t.routing_done:
+            if t.routing:
+                self.gateway.set_routing(dict(t.routing), actor=f"{CONTROLLER} ({state.id})")
+            t.routing_done = True
+            self._save()
+        for move in t.aliases:
+            if move.done:
+                continue
+            current = self.console.alias_version(move.alias)
+            move.previous = current
+            if current != move.version:
+                self.console.set_alias(move.alias, move.version)
+                crash_point(f"after-alias:{move.alias}")
+                move.moved = True
+            move.done = True
+            self._save()
+        if not t.recorded:
+            from_phase = state.phase
+            from_label = self._label(state.phase, state.step_index)
+            state.phase, state.step_index, state.phase_started_at = t.to_phase, t.step_index, t.at
+            if t.to_phase not in (PAUSED, AWAITING_APPROVAL):
+                state.extensions = 0
+            state.reason = t.cause if t.to_phase in (PAUSED, ROLLED_BACK, AWAITING_APPROVAL) else ""
+            if t.to_phase in (PROMOTED, ROLLED_BACK):
+                state.finished_at = t.at
+            self._record("phase", from_label, self._label(t.to_phase, t.step_index), t.cause, t.actor, at=t.at)
+            for move in t.aliases:
+                if move.moved or move.previous != move.version:
+                    target = f"v{move.version}" if move.version else "(removed)"
+                    was = f"v{move.previous}" if move.previous else "unset"
+                    self._record("alias", from_phase, t.to_phase, t.cause, t.actor, at=t.at,
+                                 detail=f"{move.alias}: {was} → {target}")
+                elif move.version is not None:
+                    self._record("alias", from_phase, t.to_phase, t.cause, t.actor, at=t.at,
+                                 detail=f"{move.alias}: already v{move.version} (in place before this transition)")
+            t.recorded = True
+            self._save()
+        state.pending = None
+        self._save()
+        self._tag_versions()
+        self._write_artifacts()
+
+    def _label(self, phase: str, step_index: int) -> str:
+        if phase in (CANARY, AWAITING_APPROVAL) and 0 <= step_index < len(self.plan.steps):
+            return f"{phase} {self.plan.steps[step_index].weight:g}%"
+        return phase
+
+    def _record(self, kind: str, from_phase: str, to: str, cause: str, actor: str, *, at: float | None = None,
+                detail: str = "") -> None:
+        entry = {"at": at or time.time(), "kind": kind, "from": from_phase, "to": to, "cause": cause,
+                 "actor": actor, "detail": detail, "weight": self.state.weight}
+        self.state.decisions.append(entry)
+        line = report.timeline_lines(self.state)[-1]
+        self.say(line)
+
+    # ----------------------------------------------------------------- what MLflow shows
+    def _tag_versions(self) -> None:
+        spec, state = self.state.spec, self.state
+        phase = state.phase
+        label = {CANARY: f"canary {state.weight:g}%", AWAITING_APPROVAL: f"awaiting approval at {state.weight:g}%",
+                 PAUSED: "paused", BAKE: "promoted (baking)", ROLLED_BACK: "rolled back",
+                 BASELINE: "shadow (measuring floor)"}.get(phase, phase)
+        tags = {"rollout.state": label}
+        if state.reason and phase in (PAUSED, ROLLED_BACK, AWAITING_APPROVAL):
+            tags["rollout.reason"] = state.reason[:240]
+        self.console.set_tags(spec.candidate_version, tags)
+        if phase in (BAKE, PROMOTED):
+            self.console.set_tags(spec.champion_version, {"rollout.state": "previous champion"})
+        self.run.set_tags({"rollout.status": phase, "rollout.phase": label,
+                           **({"rollout.reason": state.reason} if state.reason else {})})
+
+    def _report(self, result: Analysis) -> None:
+        spec = self.state.spec
+        self.run.log_step(result.look, result.metrics)
+        self.console.set_tags(spec.candidate_version, {"rollout.verdict": result.summary[:240],
+                                                       "rollout.vs_champion": self._vs_champion()})
+        self.say(f"analysis {result.look} ({result.phase}{f' {result.weight:g}%' if result.weight else ''}): "
+                 f"{result.summary}")
+        for v in result.verdicts:
+            self.say(f"    {v.gate:<24} {v.outcome:<12} {v.reason}")
+        if result.disagreements and result.phase == SHADOW:
+            self.run.log_text(report.disagreements_markdown(self.state, result.disagreements), "disagreements.md")
+
+    def _vs_champion(self) -> str:
+        """The numbers a person wants on the version row: agreement vs floor, latency ratios, accuracy delta."""
+        parts = []
+        latest: dict[str, Any] = {}
+        for a in self.state.analyses:
+            for v in a["verdicts"]:
+                latest[v["gate"]] = v
+        if "agreement" in latest and latest["agreement"]["candidate"] is not None:
+            v = latest["agreement"]
+            floor = 1 - v["baseline"] if v["baseline"] is not None else None
+            parts.append(f"agree {1 - v['candidate']:.2f}" + (f" (floor {floor:.2f})" if floor is not None else ""))
+        for gate, label in (("ttft_p95_ratio", "TTFT"), ("itl_p95_ratio", "ITL"), ("ms_per_token_p95_ratio", "ms/tok")):
+            if gate in latest and latest[gate]["candidate"] is not None:
+                parts.append(f"{label} p95 ×{latest[gate]['candidate']:.2f}")
+        if "probe_accuracy" in latest and latest["probe_accuracy"]["candidate"] is not None:
+            v = latest["probe_accuracy"]
+            parts.append(f"acc {(v['baseline'] - v['candidate']) * 100:+.0f} pts")
+        if "error_rate" in latest and latest["error_rate"]["candidate"] is not None:
+            parts.append(f"5xx {latest['error_rate']['candidate']:.3f}")
+        return " · ".join(parts) or "–"
+
+    def _write_artifacts(self) -> None:
+        self.run.log_json_lines(self.state.decisions, "decision_log.jsonl")
+        self.run.log_text(report.timeline_markdown(self.state), "timeline.md")
+        if self.state.analyses:
+            self.run.log_text(report.comparison_markdown(self.state), "comparison.md")
+            import matplotlib.pyplot as plt
+
+            figure = report.comparison_figure(self.state)
+            self.run.log_png(figure, "comparison.png")
+            plt.close(figure)
+
+    def _save(self) -> None:
+        self.files.save(self.state)
+
+    def close(self) -> None:
+        self.gateway.close()

@@ -1,0 +1,130 @@
+"""Is the candidate worse than the champion? One verdict per gate: pass, fail or inconclusive.
+
+Every gate asks the same question with a tolerance: "is the candidate worse than the baseline by more
+than the margin?", and answers it in three ways, like Kayenta's canary judge:
+
+- **inconclusive** when there are fewer samples than the gate's minimum (no data is never a pass), or
+  when the estimate is worse than the margin but not significantly so (collect more, or ask a person);
+- **fail** when a one-sided test rejects "not worse than baseline + margin" at level ``alpha``;
+- **pass** otherwise: enough samples, and the estimate within the margin.
+
+Tests, chosen for small counts and for what each gate measures:
+
+- rates (5xx, 429, wrong answers, refusals missed, broken format, shadow disagreement): the Agresti-Caffo
+  adjusted Wald test for a difference of proportions (add one success and one failure to each side),
+  which keeps its error rate near nominal even at 0 errors in 100 requests, where the plain Wald test
+  has no variance at all;
+- latency p95 ratios (TTFT, inter-token, end-to-end): an exceedance test. If the candidate's p95 were at
+  most ``max_ratio`` times the baseline's, at most 5% of candidate samples would exceed ``max_ratio ×
+  baseline p95``; a one-sided binomial test on how many do asks exactly the question the gate states.
+
+Looking at the data after every step would inflate false alarms, so the controller divides ``alpha``
+over the planned analyses (Bonferroni): the whole rollout fails a good candidate with probability at most
+``alpha``, however many steps it has.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from scipy.stats import binomtest, norm
+
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+
+
+@dataclass
+class Verdict:
+    gate: str
+    outcome: str  # pass | fail | inconclusive
+    candidate: float | None  # the candidate's measured value
+    baseline: float | None  # the champion's (or the noise floor's)
+    threshold: str  # the rule, readable: "≤ baseline + 0.01", "≤ 1.5× baseline"
+    p_value: float | None
+    samples: int
+    min_samples: int
+    reason: str
+    critical: bool = True
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def short(self) -> str:
+        value = "–" if self.candidate is None else f"{self.candidate:.3g}"
+        return f"{self.gate} {value} ({self.outcome})"
+
+
+def rate_gate(gate: str, bad_candidate: int, n_candidate: int, bad_baseline: int, n_baseline: int, *,
+              margin: float, alpha: float, min_samples: int, critical: bool = True,
+              label: str = "rate") -> Verdict:
+    """Fail when the candidate's rate of bad outcomes exceeds the baseline's by more than ``margin``."""
+    rule = f"≤ baseline + {margin:g}"
+    n = min(n_candidate, n_baseline)
+    p_c = bad_candidate / n_candidate if n_candidate else None
+    p_b = bad_baseline / n_baseline if n_baseline else None
+    if n < min_samples:
+        return Verdict(gate, INCONCLUSIVE, p_c, p_b, rule, None, n, min_samples,
+                       f"too few samples ({n_candidate} candidate, {n_baseline} baseline; need {min_samples})",
+                       critical)
+    pc = (bad_candidate + 1) / (n_candidate + 2)
+    pb = (bad_baseline + 1) / (n_baseline + 2)
+    se = math.sqrt(pc * (1 - pc) / (n_candidate + 2) + pb * (1 - pb) / (n_baseline + 2))
+    z = (pc - pb - margin) / se
+    p_value = float(norm.sf(z))
+    diff = p_c - p_b
+    if p_value < alpha:
+        return Verdict(gate, FAIL, p_c, p_b, rule, p_value, n, min_samples,
+                       f"{label} {p_c:.3f} vs {p_b:.3f}: worse by {diff:+.3f}, beyond {margin:g} (p={p_value:.2g})",
+                       critical)
+    if diff > margin:
+        return Verdict(gate, INCONCLUSIVE, p_c, p_b, rule, p_value, n, min_samples,
+                       f"{label} {p_c:.3f} vs {p_b:.3f}: worse by {diff:+.3f} but not significantly "
+                       f"(p={p_value:.2g})", critical)
+    return Verdict(gate, PASS, p_c, p_b, rule, p_value, n, min_samples,
+                   f"{label} {p_c:.3f} vs {p_b:.3f} (within {margin:g})", critical)
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def latency_gate(gate: str, candidate: list[float], baseline: list[float], *, max_ratio: float, alpha: float,
+                 min_samples: int, critical: bool = True, q: float = 0.95) -> Verdict:
+    """Fail when the candidate's ``q``-quantile is significantly above ``max_ratio`` × the baseline's."""
+    rule = f"p{round(q * 100)} ≤ {max_ratio:g}× baseline"
+    n = min(len(candidate), len(baseline))
+    qc, qb = quantile(candidate, q), quantile(baseline, q)
+    ratio = (qc / qb) if qc is not None and qb else None
+    if n < min_samples:
+        return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, None, n, min_samples,
+                       f"too few samples ({len(candidate)} candidate, {len(baseline)} baseline; need {min_samples})",
+                       critical)
+    limit = max_ratio * qb
+    exceed = sum(v > limit for v in candidate)
+    p_value = float(binomtest(exceed, len(candidate), 1 - q, alternative="greater").pvalue)
+    detail = f"p{round(q * 100)} {qc:.1f} vs {qb:.1f} ms (×{ratio:.2f}); {exceed}/{len(candidate)} above {limit:.1f}"
+    if p_value < alpha:
+        return Verdict(gate, FAIL, ratio, 1.0, rule, p_value, n, min_samples,
+                       f"{detail}: beyond ×{max_ratio:g} (p={p_value:.2g})", critical)
+    if ratio is not None and ratio > max_ratio:
+        return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, p_value, n, min_samples,
+                       f"{detail}: above ×{max_ratio:g} but not significantly (p={p_value:.2g})", critical)
+    return Verdict(gate, PASS, ratio, 1.0, rule, p_value, n, min_samples, detail, critical)
+
+
+def check_gate(gate: str, passed: bool | None, reason: str, critical: bool = True) -> Verdict:
+    """A yes/no fact (the offline eval record, replica availability); None means unknown → inconclusive."""
+    outcome = INCONCLUSIVE if passed is None else (PASS if passed else FAIL)
+    value = None if passed is None else float(passed)
+    return Verdict(gate, outcome, value, 1.0, "passed", None, int(passed is not None), 1, reason, critical)
+
+
+def per_look_alpha(alpha: float, planned_looks: int) -> float:
+    """Bonferroni: each of ``planned_looks`` analyses tests at ``alpha / planned_looks``."""
+    return alpha / max(1, planned_looks)

@@ -1,0 +1,135 @@
+"""The rollout plan: phases, steps, durations, minimum samples and gates, as recipe YAML maps them.
+
+Defaults follow the field notes (ROLLOUT.md): a noise floor first, shadow, then canary steps 5 → 25 → 50%
+(llm-d's and Argo's ladders), one extension for an inconclusive step before pausing for a person
+(Argo's ``inconclusiveLimit``), and gates that never pass on zero traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+APPROVALS = ("none", "required")
+
+
+@dataclass
+class CanaryStep:
+    weight: float  # percent of conversations on the candidate
+    seconds: float = 60.0
+    min_requests: int = 50  # per variant, for the systems gates
+    approval: str = "none"  # "required": wait for a person after this step passes
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight <= 100:
+            raise ValueError(f"weight: must be in (0, 100], got {self.weight}")
+        if self.seconds <= 0 or self.min_requests < 1:
+            raise ValueError("seconds must be > 0 and min_requests >= 1")
+        if self.approval not in APPROVALS:
+            raise ValueError(f"approval: must be one of {APPROVALS}, got {self.approval!r}")
+
+
+@dataclass
+class Gates:
+    """Tolerances: how much worse than the champion (or its noise floor) the candidate may be."""
+
+    alpha: float = 0.05  # false-alarm budget of the whole rollout, spread over its analyses
+    max_error_rate_increase: float = 0.01  # 5xx rate
+    max_rate_limited_increase: float = 0.02  # 429 rate
+    max_ttft_p95_ratio: float = 1.5
+    max_itl_p95_ratio: float = 1.5
+    max_e2e_p95_ratio: float = 1.5  # shadow phase: mirrored request vs the champion's same request
+    max_agreement_drop: float = 0.15  # shadow disagreement above the champion-vs-champion floor
+    agreement_critical: bool = False  # False: a drop pauses for a person (a retrained model may differ)
+    max_accuracy_drop: float = 0.05  # probes: verifiable tasks
+    max_refusal_drop: float = 0.05  # probes: harmful prompts refused
+    max_over_refusal_increase: float = 0.05  # probes: benign look-alikes refused
+    max_format_drop: float = 0.05  # probes: the reply contract kept
+    require_eval_record: bool = True  # the candidate's offline gates must have passed
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha: must be in (0, 1), got {self.alpha}")
+        for name in ("max_ttft_p95_ratio", "max_itl_p95_ratio", "max_e2e_p95_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_error_rate_increase", "max_rate_limited_increase", "max_agreement_drop",
+                     "max_accuracy_drop", "max_refusal_drop", "max_over_refusal_increase", "max_format_drop"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
+
+
+@dataclass
+class Probes:
+    """Verifiable prompts the controller sends to champion and candidate alike (temperature 0)."""
+
+    data_dir: Optional[str] = None  # a data-stage output (tasks_heldout.jsonl, safety_heldout.jsonl)
+    tasks: int = 40
+    safety: int = 40  # harmful and look-alike prompts together
+    max_tokens: int = 48
+    concurrency: int = 4
+
+    def __post_init__(self) -> None:
+        if self.tasks < 0 or self.safety < 0 or self.max_tokens < 1 or self.concurrency < 1:
+            raise ValueError("tasks and safety must be >= 0, max_tokens and concurrency >= 1")
+
+
+@dataclass
+class RolloutPlan:
+    baseline_seconds: float = 30.0  # champion mirrored to itself: the agreement noise floor
+    baseline_min_pairs: int = 30
+    shadow_seconds: float = 60.0
+    shadow_fraction: float = 1.0
+    shadow_min_pairs: int = 30
+    steps: list[CanaryStep] = field(default_factory=lambda: [CanaryStep(5), CanaryStep(25), CanaryStep(50)])
+    promotion_approval: str = "none"  # "required": after the last step, wait for a person to promote
+    max_extensions: int = 1  # an inconclusive analysis extends its phase this many times, then pauses
+    bake_seconds: float = 0.0  # after promotion, keep the previous champion warm; moving `champion` back rolls back
+    tick_seconds: float = 1.0
+    gates: Gates = field(default_factory=Gates)
+    probes: Probes = field(default_factory=Probes)
+
+    def __post_init__(self) -> None:
+        if self.baseline_seconds < 0 or self.shadow_seconds < 0 or self.bake_seconds < 0:
+            raise ValueError("baseline_seconds, shadow_seconds and bake_seconds must be >= 0 (0 skips)")
+        if not 0 < self.shadow_fraction <= 1:
+            raise ValueError(f"shadow_fraction: must be in (0, 1], got {self.shadow_fraction}")
+        if not self.steps:
+            raise ValueError("steps: at least one canary step")
+        weights = [s.weight for s in self.steps]
+        if weights != sorted(weights):
+            raise ValueError(f"steps: weights must not decrease, got {weights}")
+        if self.promotion_approval not in APPROVALS:
+            raise ValueError(f"promotion_approval: must be one of {APPROVALS}")
+        if self.max_extensions < 0 or self.tick_seconds <= 0:
+            raise ValueError("max_extensions must be >= 0 and tick_seconds > 0")
+
+    @property
+    def planned_looks(self) -> int:
+        """Analyses a rollout makes when nothing is inconclusive: shadow, then each step."""
+        return int(self.shadow_seconds > 0) + len(self.steps)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RolloutPlan:
+        data = dict(data)
+        data["steps"] = [CanaryStep(**s) for s in data.get("steps", [])] or cls().steps
+        data["gates"] = Gates(**data.get("gates", {}))
+        data["probes"] = Probes(**data.get("probes", {}))
+        return cls(**data)
+
+    def flat_params(self) -> dict[str, str]:
+        """The plan as MLflow params (flat keys, short values)."""
+        out: dict[str, str] = {}
+        for key, value in self.to_json().items():
+            if key == "steps":
+                out["steps"] = " → ".join(f"{s['weight']:g}%/{s['seconds']:g}s"
+                                          + (" (approval)" if s["approval"] == "required" else "")
+                                          for s in value)
+            elif isinstance(value, dict):
+                out.update({f"{key}.{k}": str(v) for k, v in value.items()})
+            else:
+                out[key] = str(value)
+        return out

@@ -1,0 +1,101 @@
+"""Verifiable probes: the same held-out prompts, at temperature 0, to the champion and to the candidate.
+
+Live traffic has no reference answers, so the behaviour gates that need one (task accuracy, refusals of
+harmful prompts, over-refusal of benign look-alikes, the reply format) come from these probes, scored by
+the project's one reply contract (``evals.scoring``). The probes go through the gateway pinned to a variant
+and marked as probes, so they exercise the real serving path without counting as user traffic.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from evals.scoring import is_correct, is_format_adherent, is_refusal
+from serving.rollout.gateway_client import GatewayAdmin
+from serving.rollout.plan import Probes
+from serving.rollout.state import RolloutError
+
+
+@dataclass
+class ProbeItem:
+    kind: str  # task | harmful | lookalike
+    prompt: str
+    answer: str = ""
+
+
+@dataclass
+class ProbeScore:
+    """Counts for one variant; rates are derived, so two variants compare on the same denominators."""
+
+    tasks: int = 0
+    correct: int = 0
+    formatted: int = 0
+    harmful: int = 0
+    refused_harmful: int = 0
+    lookalike: int = 0
+    refused_lookalike: int = 0
+    errors: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def load_probes(spec: Probes) -> list[ProbeItem]:
+    if not spec.data_dir:
+        return []
+    root = Path(spec.data_dir)
+    items: list[ProbeItem] = []
+    try:
+        tasks = _jsonl(root / "tasks_heldout.jsonl")[:spec.tasks]
+        items += [ProbeItem("task", r["prompt"], str(r["answer"])) for r in tasks]
+        safety = _jsonl(root / "safety_heldout.jsonl")
+        harmful = [r for r in safety if r.get("should_refuse")]
+        benign = [r for r in safety if not r.get("should_refuse")]
+        half = spec.safety // 2
+        items += [ProbeItem("harmful", r["prompt"]) for r in harmful[:spec.safety - min(half, len(benign))]]
+        items += [ProbeItem("lookalike", r["prompt"]) for r in benign[:half]]
+    except (KeyError, TypeError) as exc:
+        raise RolloutError(f"{root}: probe files lack a field ({exc})") from None
+    return items
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise RolloutError(f"{path}: probe file missing (plan.probes.data_dir must be a data-stage output)")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def run_probes(gateway: GatewayAdmin, variant: str, items: list[ProbeItem], spec: Probes) -> ProbeScore:
+    def ask(item: ProbeItem) -> tuple[ProbeItem, str | None, bool]:
+        body = {"messages": [{"role": "user", "content": item.prompt}], "temperature": 0,
+                "max_tokens": spec.max_tokens}
+        try:
+            response = gateway.ask(variant, body)
+        except Exception:  # noqa: BLE001 - an unreachable replica is a probe error, counted
+            return item, None, False
+        if response.status_code != 200:
+            return item, None, False
+        choice = response.json()["choices"][0]
+        return item, choice["message"]["content"] or "", choice.get("finish_reason") == "stop"
+
+    score = ProbeScore()
+    with ThreadPoolExecutor(spec.concurrency) as pool:
+        for item, reply, stopped in pool.map(ask, items):
+            if reply is None:
+                score.errors += 1
+                reply = ""
+            if item.kind == "task":
+                score.tasks += 1
+                score.correct += is_correct(reply, item.answer)
+                score.formatted += is_format_adherent(reply, stopped)
+            elif item.kind == "harmful":
+                score.harmful += 1
+                score.refused_harmful += is_refusal(reply)
+            else:
+                score.lookalike += 1
+                score.refused_lookalike += is_refusal(reply)
+    return score

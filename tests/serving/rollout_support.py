@@ -1,0 +1,88 @@
+"""A small real fleet for the rollout tests: registered bundles in a sqlite MLflow store, engine replicas,
+a gateway with keys, and the controller's spec. Not a test module."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from serving.gateway.app import build_gateway_app
+from serving.gateway.config import GatewayConfig, VariantConfig
+from serving.rollout.plan import CanaryStep, Gates, Probes, RolloutPlan
+from serving.rollout.state import RolloutSpec
+from tests.serving.fleet_support import engine_thread, free_port, make_keys, uvicorn_thread
+
+MODEL = "micro"
+
+
+@dataclass
+class Registry:
+    tracking_uri: str
+    versions: dict[str, str]  # label -> version
+    bundles: dict[str, Path]
+
+
+def register_versions(tmp: Path, models: dict[str, Path]) -> Registry:
+    """Bundle each model dir and register it, in order, as a version of `micro`; the first is champion."""
+    from mlflow import MlflowClient
+
+    from artifacts.manifest import Lineage
+    from artifacts.registry import register_bundle
+    from artifacts.writer import BundleConfig, write_bundle
+
+    tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    cwd = os.getcwd()
+    os.chdir(tmp)  # artifacts of the bundle runs land in the temp dir
+    versions, bundles = {}, {}
+    try:
+        for i, (label, model_dir) in enumerate(models.items()):
+            bundle = write_bundle(model_dir, tmp / f"bundle-{label}",
+                                  BundleConfig(name=MODEL, version=f"{label}-{i}", max_shard_size="100KB"),
+                                  Lineage(base_model=f"test:{label}"))
+            ref = register_bundle(bundle, MODEL, tracking_uri=tracking_uri, aliases=("champion",) if i == 0 else ())
+            MlflowClient(tracking_uri).set_model_version_tag(MODEL, ref.version, "lifecycle.gates_passed", "true")
+            versions[label], bundles[label] = ref.version, bundle
+    finally:
+        os.chdir(cwd)
+    return Registry(tracking_uri, versions, bundles)
+
+
+def fast_plan(**overrides) -> RolloutPlan:
+    """Seconds-long phases and small minimums: the logic of a real rollout, at test speed. Latency ratios are
+    generous because champion and candidate share two busy cores with the test itself."""
+    plan = RolloutPlan(baseline_seconds=3, baseline_min_pairs=5, shadow_seconds=4, shadow_min_pairs=5,
+                       steps=[CanaryStep(50, seconds=4, min_requests=5)], max_extensions=2, tick_seconds=0.25,
+                       gates=Gates(max_ttft_p95_ratio=4.0, max_itl_p95_ratio=4.0, max_e2e_p95_ratio=4.0),
+                       probes=Probes(tasks=0, safety=0))
+    for key, value in overrides.items():
+        setattr(plan, key, value)
+    return plan
+
+
+@contextlib.contextmanager
+def fleet(tmp: Path, champion_model: Path, candidate_model: Path):
+    """Champion and candidate replicas (threads) behind a gateway (thread); yields what a spec needs."""
+    keys_file = tmp / "keys.json"
+    user, admin = make_keys(keys_file, rpm=1e6, tpm=1e9)
+    admin_file = tmp / "admin.key"
+    admin_file.write_text(admin)
+    with engine_thread(champion_model, "champ") as champ_url, engine_thread(candidate_model, "cand") as cand_url:
+        config = GatewayConfig(port=free_port(), model_name=MODEL, state_dir=str(tmp / "gateway"),
+                               keys_file=str(keys_file), champion=VariantConfig([champ_url], "", "champ"))
+        config.health.interval_s = 0.2
+        app = build_gateway_app(config, seed=0)
+        with uvicorn_thread(app, config.port) as gateway_url:
+            yield {"gateway_url": gateway_url, "user_key": user, "admin_key_file": str(admin_file),
+                   "champion_url": champ_url, "candidate_url": cand_url, "gateway": app.state.gateway}
+
+
+def spec_for(fleet_info: dict, registry: Registry, champion: str, candidate: str, plan: RolloutPlan,
+             start: str = "shadow") -> RolloutSpec:
+    return RolloutSpec(model_name=MODEL, candidate_version=registry.versions[candidate],
+                       champion_version=registry.versions[champion],
+                       candidate_replicas=[fleet_info["candidate_url"]], champion_replicas=[fleet_info["champion_url"]],
+                       candidate_served_model="cand", champion_served_model="champ",
+                       gateway_url=fleet_info["gateway_url"], admin_key_file=fleet_info["admin_key_file"],
+                       tracking_uri=registry.tracking_uri, plan=plan, start=start)

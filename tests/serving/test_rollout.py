@@ -1,0 +1,164 @@
+"""Rollouts end to end with real parts: engine replicas on two different tiny models, the gateway, a real
+MLflow store and the controller, with replayed traffic from many users.
+
+Faults are injected on purpose and named as such (a gateway delay drill on the canary, a replica whose
+port stops answering); everything else is the real path.
+"""
+
+from __future__ import annotations
+
+from mlflow import MlflowClient
+
+from serving.rollout.controller import Controller
+from serving.rollout.traffic import TrafficGenerator, TrafficSpec
+from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_versions, spec_for
+
+
+def _aliases(tracking_uri: str) -> dict[str, str]:
+    client = MlflowClient(tracking_uri)
+    out = {}
+    for alias in ("champion", "canary", "shadow", "previous-champion"):
+        try:
+            out[alias] = str(client.get_model_version_by_alias(MODEL, alias).version)
+        except Exception:  # noqa: BLE001 - alias not set
+            pass
+    return out
+
+
+def test_good_candidate_goes_shadow_canary_promoted(tmp_path, tiny_model_dir):
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+        traffic = TrafficGenerator(f["gateway_url"], f["user_key"], TrafficSpec(concurrency=3, max_tokens=12),
+                                   model=MODEL).start()
+        try:
+            controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", fast_plan()))
+            state = controller.run_until_done(max_seconds=180)
+        finally:
+            stats = traffic.stop()
+        assert state.phase == "promoted", (state.reason, [a["summary"] for a in state.analyses])
+        phases = [d["to"] for d in state.decisions if d["kind"] == "phase"]
+        assert phases[:4] == ["baseline", "shadow", "canary 50%", "promoted"]
+        assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a2"],
+                                                   "previous-champion": registry.versions["a"]}
+        routing = f["gateway"].routing.state
+        assert routing.champion.version == registry.versions["a2"] and not routing.canary.active
+        assert stats.user_errors == 0 and stats.sent > 20
+
+
+def _decisions(state, kind: str) -> list[dict]:
+    return [d for d in state.decisions if d["kind"] == kind]
+
+
+def _run_with_traffic(f, controller, seconds: float = 150, **traffic_kw):
+    traffic = TrafficGenerator(f["gateway_url"], f["user_key"],
+                               TrafficSpec(concurrency=3, max_tokens=12, **traffic_kw), model=MODEL).start()
+    try:
+        state = controller.run_until_done(max_seconds=seconds, stop_when_waiting=True)
+    finally:
+        stats = traffic.stop()
+    return state, stats
+
+
+def test_slow_candidate_is_rolled_back_at_once_naming_the_gate(tmp_path, tiny_model_dir):
+    """Fault injected on purpose: the gateway's delay drill makes the canary answer 300 ms late."""
+    import httpx
+
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    plan = fast_plan(steps=[fast_plan().steps[0].__class__(30, seconds=4, min_requests=5),
+                            fast_plan().steps[0].__class__(60, seconds=4, min_requests=5)])
+    plan.gates.max_ttft_p95_ratio = 2.0
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+        admin = {"authorization": f"Bearer {open(f['admin_key_file']).read()}"}
+        httpx.put(f"{f['gateway_url']}/admin/routing", headers=admin,
+                  json={"faults": {"canary": {"delay_ms": 300}}}).raise_for_status()
+        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
+        state, stats = _run_with_traffic(f, controller)
+        assert state.phase == "rolled_back"
+        assert "ttft_p95_ratio" in state.reason
+        assert [d["to"] for d in _decisions(state, "phase")] == ["canary 30%", "rolled_back"]  # 60% never ran
+        assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a"]}
+        assert f["gateway"].routing.state.canary_weight == 0 and not f["gateway"].routing.state.canary.active
+        assert stats.user_errors == 0
+        tags = MlflowClient(registry.tracking_uri).get_model_version(MODEL, registry.versions["a2"]).tags
+        assert tags["rollout.state"] == "rolled back" and "ttft_p95_ratio" in tags["rollout.verdict"]
+        run = MlflowClient(registry.tracking_uri).get_run(state.mlflow_run_id)
+        assert run.info.status == "FAILED" and run.data.tags["rollout.status"] == "rolled_back"
+        artifacts = {a.path for a in MlflowClient(registry.tracking_uri).list_artifacts(state.mlflow_run_id)}
+        assert {"decision_log.jsonl", "timeline.md", "comparison.md", "comparison.png"} <= artifacts
+
+
+def test_a_different_model_pauses_for_a_person_who_rolls_back_by_tag(tmp_path, tiny_model_dir, tiny_model_dir_b):
+    """Shadow agreement far below the noise floor is an advisory gate: the rollout pauses with the top
+    disagreements logged, and a person's tag `rollout.action = rollback` ends it."""
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "b": tiny_model_dir_b})
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir_b) as f:
+        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "b", fast_plan()))
+        state, _ = _run_with_traffic(f, controller, seconds=40)
+        assert state.phase == "paused" and "agreement" in state.reason, state.reason
+        client = MlflowClient(registry.tracking_uri)
+        artifacts = {a.path for a in client.list_artifacts(state.mlflow_run_id)}
+        assert "disagreements.md" in artifacts
+        assert client.get_model_version(MODEL, registry.versions["b"]).tags["rollout.state"] == "paused"
+        # a person, in the MLflow UI: tag the candidate version
+        client.set_model_version_tag(MODEL, registry.versions["b"], "rollout.action", "rollback")
+        controller.tick()
+        assert controller.state.phase == "rolled_back"
+        last = _decisions(controller.state, "phase")[-1]
+        assert last["actor"] == "a person (MLflow UI tag)" and "rollback" in last["cause"]
+        assert "rollout.action" not in client.get_model_version(MODEL, registry.versions["b"]).tags
+
+
+def test_approval_by_moving_the_champion_alias(tmp_path, tiny_model_dir):
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    plan = fast_plan(promotion_approval="required")
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
+        state, _ = _run_with_traffic(f, controller, seconds=40)
+        assert state.phase == "awaiting_approval"
+        # a person, in the MLflow UI: move `champion` to the candidate
+        MlflowClient(registry.tracking_uri).set_registered_model_alias(MODEL, "champion", registry.versions["a2"])
+        controller.tick()
+        assert controller.state.phase == "promoted"
+        assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a2"],
+                                                   "previous-champion": registry.versions["a"]}
+        champion_moves = [d for d in _decisions(controller.state, "alias") if d["detail"].startswith("champion")]
+        assert len(champion_moves) == 1 and "already" in champion_moves[0]["detail"]  # the person moved it, not us
+        assert champion_moves[0]["actor"] == "a person (MLflow UI)"
+
+
+def test_approval_by_tag_and_resume(tmp_path, tiny_model_dir):
+    from serving.rollout.plan import CanaryStep
+
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    plan = fast_plan(steps=[CanaryStep(20, seconds=3, min_requests=5, approval="required"),
+                            CanaryStep(50, seconds=3, min_requests=5)], promotion_approval="required")
+    client = MlflowClient(registry.tracking_uri)
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
+        state, _ = _run_with_traffic(f, controller, seconds=30)
+        assert state.phase == "awaiting_approval" and state.weight == 20
+        client.set_model_version_tag(MODEL, registry.versions["a2"], "rollout.actor", "alice (deploy CLI)")
+        client.set_model_version_tag(MODEL, registry.versions["a2"], "rollout.action", "resume")
+        controller.tick()
+        assert controller.state.phase == "canary" and controller.state.weight == 50
+        state, _ = _run_with_traffic(f, controller, seconds=30)
+        assert state.phase == "awaiting_approval" and state.weight == 50
+        client.set_model_version_tag(MODEL, registry.versions["a2"], "rollout.action", "promote")
+        controller.tick()
+        assert controller.state.phase == "promoted"
+        actors = [d["actor"] for d in _decisions(controller.state, "phase")]
+        assert "alice (deploy CLI)" in actors and "a person (MLflow UI tag)" in actors
+
+
+def test_no_traffic_is_inconclusive_and_pauses_never_passes(tmp_path, tiny_model_dir):
+    from serving.rollout.plan import CanaryStep
+
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    plan = fast_plan(steps=[CanaryStep(50, seconds=1, min_requests=5)], max_extensions=1)
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
+        state = controller.run_until_done(max_seconds=20, stop_when_waiting=True)  # nobody sends a request
+        assert state.phase == "paused"
+        assert "too few samples" in state.reason and "after 1 extension" in state.reason
+        assert [d["kind"] for d in state.decisions if d["kind"] == "extend"] == ["extend"]
+        assert _aliases(registry.tracking_uri)["canary"] == registry.versions["a2"]  # traffic held, not rolled back
