@@ -12,7 +12,6 @@ swapped artifact store entry is refused as surely as a flipped byte.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -60,25 +59,32 @@ def _quant_tag(manifest: Manifest) -> str:
 
 
 def _tags(manifest: Manifest, digest: str) -> dict[str, str]:
-    lineage = manifest.lineage
+    """Short tags only: the MLflow model page shows every version tag in the version's row, where a person
+    decides promotions; long lineage goes into the version's description instead."""
     return {
         TAG_DIGEST: digest,
-        "bundle_name": manifest.name,
         "bundle_version": manifest.version,
         "quantization": _quant_tag(manifest),
-        "lineage.base_model": lineage.base_model or "",
-        "lineage.git_commit": lineage.git_commit or "",
-        "lineage.stage_runs": json.dumps(lineage.stage_runs, sort_keys=True)[:4900],
-        "lineage.dataset_digests": json.dumps(lineage.dataset_digests, sort_keys=True)[:4900],
-        "tp_degrees": ",".join(sorted(manifest.shard_plan.tp, key=int)),
     }
 
 
-def _description(manifest: Manifest, digest: str) -> str:
-    a = manifest.architecture
-    return (f"Bundle {manifest.name} {manifest.version} ({a.model_type}, {a.num_layers} layers, hidden "
-            f"{a.hidden_size}, vocab {a.vocab_size}, quantization {_quant_tag(manifest)}); manifest "
-            f"sha256 {digest}; base {manifest.lineage.base_model or '-'}.")
+def _description(manifest: Manifest, digest: str, headline: str | None = None) -> str:
+    """The version's description (markdown): what it is and where it came from."""
+    a, lineage = manifest.architecture, manifest.lineage
+    tp = ", ".join(sorted(manifest.shard_plan.tp, key=int))
+    git = f" (git {lineage.git_commit})" if lineage.git_commit else ""
+    lines = [headline or f"Bundle {manifest.name} {manifest.version}", "",
+             f"- model: {a.model_type}, {a.num_layers} layers, hidden {a.hidden_size}, vocab {a.vocab_size}; "
+             f"quantization {_quant_tag(manifest)}; tensor-parallel plans {tp}",
+             f"- manifest sha256 {digest}",
+             f"- base model: {lineage.base_model or '-'}{git}"]
+    if lineage.stage_runs:
+        runs = ", ".join(f"{k} `{v}`" for k, v in sorted(lineage.stage_runs.items()))
+        lines.append(f"- training runs: {runs}")
+    if lineage.dataset_digests:
+        data = ", ".join(f"{k} `{str(v)[:12]}`" for k, v in sorted(lineage.dataset_digests.items()))
+        lines.append(f"- datasets: {data}")
+    return "\n".join(lines)
 
 
 def register_bundle(
@@ -125,7 +131,7 @@ def register_bundle(
             client.create_registered_model(model_name, description=f"Bundles of {manifest.name}")
         version = client.create_model_version(
             model_name, source=source, run_id=run_id, tags=_tags(manifest, digest),
-            description=description or _description(manifest, digest),
+            description=_description(manifest, digest, description),
         )
         alias_list = list(aliases)
         for alias in alias_list:
@@ -161,6 +167,23 @@ def get_version(uri: str, tracking_uri: str | None = None) -> ModelVersionRef:
     if not digest:
         raise RegistryError(f"{uri}: version {mv.version} has no {TAG_DIGEST} tag (not registered as a bundle)")
     return ModelVersionRef(name, str(mv.version), mv.run_id or "", mv.source, digest, list(mv.aliases or []))
+
+
+def find_version_by_digest(bundle_dir: str | Path, model_name: str,
+                           tracking_uri: str | None = None) -> ModelVersionRef | None:
+    """The registered version of ``model_name`` whose manifest digest is this bundle's, if any."""
+    from mlflow.exceptions import MlflowException
+
+    digest = manifest_digest(bundle_dir)
+    client = _client(tracking_uri)
+    try:
+        versions = client.search_model_versions(f"name = '{model_name}'")
+    except MlflowException:
+        return None
+    for mv in sorted(versions, key=lambda v: int(v.version)):
+        if (mv.tags or {}).get(TAG_DIGEST) == digest:
+            return ModelVersionRef(model_name, str(mv.version), mv.run_id or "", mv.source, digest)
+    return None
 
 
 def resolve_bundle(uri: str | Path, dest_root: str | Path, tracking_uri: str | None = None,

@@ -86,16 +86,23 @@ class Child:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=15)
             except ProcessLookupError:
                 pass
-            except subprocess.TimeoutExpired:
+
+    def stop(self) -> None:
+        """After ``terminate``: wait, then SIGKILL what is left of its process group."""
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=15)
         self._handle.close()
 
 
@@ -511,6 +518,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)  # also when started with SIGINT ignored (a background job)
     logs = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     ok = False
     try:
@@ -571,7 +579,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave servers behind
-        for child in reversed(children):
+        for child in children:
+            child.terminate()
+        for child in children:
             child.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if ok and not args.keep_logs:

@@ -7,10 +7,10 @@ import. Every default here can be overridden by the user's own environment varia
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from artifacts.common.workdir import REPO_ROOT, Workdir, resolve_workdir
+
+__all__ = ["REPO_ROOT", "Workdir", "prepare_environment", "resolve_workdir"]
 
 _OFFLINE_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -25,46 +25,6 @@ _OFFLINE_DEFAULTS = {
     "PREFECT_UI_ENABLED": "false",
     "GIT_PYTHON_REFRESH": "quiet",
 }
-
-
-@dataclass(frozen=True)
-class Workdir:
-    """The project data directory: models, datasets, MLflow store, Prefect state and results."""
-
-    root: Path
-
-    @property
-    def models(self) -> Path:
-        return self.root / "models"
-
-    @property
-    def runs(self) -> Path:
-        return self.root / "runs"
-
-    @property
-    def mlflow_db(self) -> Path:
-        return self.root / "mlflow.db"
-
-    @property
-    def mlflow_artifacts(self) -> Path:
-        return self.root / "mlartifacts"
-
-    @property
-    def prefect_home(self) -> Path:
-        return self.root / "prefect"
-
-    @property
-    def bundles(self) -> Path:
-        return self.root / "bundles"
-
-    def tracking_uri(self) -> str:
-        return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.mlflow_db}"
-
-
-def resolve_workdir(explicit: str | Path | None = None) -> Workdir:
-    """`explicit` (recipe or CLI) wins, then $LIFECYCLE_HOME, then `<repo>/.lifecycle`."""
-    raw = explicit or os.environ.get("LIFECYCLE_HOME") or REPO_ROOT / ".lifecycle"
-    return Workdir(Path(raw).expanduser().resolve())
 
 
 def prepare_environment(workdir: Workdir) -> None:

@@ -204,25 +204,53 @@ def release_stage(ctx: PipelineContext, variant: str, bundle: StageOutput, evalu
         report = check_gates(results, gates)
         gate_record = {str(c.gate): {"measured": c.measured, "passed": c.passed, "reason": c.reason}
                        for c in report.checks}
-        write_eval_record(bundle.path, metrics=evaluation.metrics, gates=gate_record, passed=report.passed)
+        record_path = write_eval_record(bundle.path, metrics=evaluation.metrics, gates=gate_record,
+                                        passed=report.passed)
         mlflow.set_tag("lifecycle.gates", report.summary())
+        # beside the version's run, so a rollout controller on another host reads the candidate's record
+        mlflow.log_artifact(str(record_path))
         info: dict[str, Any] = {"path": bundle.path, "gates_passed": report.passed, "gates": report.summary()}
         if registry.enabled:
             from artifacts.registry import register_bundle, set_alias
 
+            gate_lines = "\n".join(f"- {'✓' if c.passed else '✗'} {c.reason}" for c in report.checks)
             ref = register_bundle(bundle.path, ctx.recipe.registered_model_name,
-                                  description=f"{ctx.recipe.name} ({variant}) from the lifecycle pipeline")
+                                  description=f"{ctx.recipe.name} ({variant}) from the lifecycle pipeline\n\n"
+                                              f"Release gates: {report.summary()}\n{gate_lines}\n")
             info.update(model_uri=f"models:/{ref.name}/{ref.version}", version=ref.version)
-            # The registry is where people decide promotions: show the gate verdict on the version itself.
+            # The registry is where people decide promotions: the verdict, short, on the version's row.
             client = mlflow.MlflowClient()
             client.set_model_version_tag(ref.name, ref.version, "lifecycle.gates_passed", str(report.passed).lower())
-            client.set_model_version_tag(ref.name, ref.version, "lifecycle.gates", report.summary()[:5000])
+            passed = sum(c.passed for c in report.checks)
+            client.set_model_version_tag(ref.name, ref.version, "lifecycle.gates",
+                                         f"{passed}/{len(report.checks)} passed")
             if report.passed and variant == ctx.ship_variant:
                 set_alias(ref.name, registry.candidate_alias, ref.version)
                 info["alias"] = registry.candidate_alias
         return {"gates_passed": float(report.passed)}, info
 
     return ctx.run(f"release-{variant}", key, release)
+
+
+def rollout_stage(ctx: PipelineContext, release: StageOutput | None, data: StageOutput):
+    """Put the new candidate in front of traffic (recipe `rollout.mode`); never cached: it acts on the world."""
+    section = ctx.recipe.rollout
+    if section.mode == "off" or not ctx.recipe.registry.enabled:
+        return None
+    if release is None or "version" not in release.info:
+        return None
+    if "alias" not in release.info:
+        from flows.rollout import RolloutOutcome
+
+        line = f"v{release.info['version']} failed its gates ({release.info['gates']}); nothing to roll out"
+        console.print(f"[yellow]- rollout[/] {line}", highlight=False)
+        return RolloutOutcome(release.info["version"], "gates-failed", [line])
+    from flows.rollout import pipeline_rollout
+
+    return pipeline_rollout(section, ctx.recipe.registered_model_name, str(release.info["version"]), release.path,
+                            data.path, ctx.workdir.tracking_uri(),
+                            str(ctx.workdir.runs / ctx.recipe.name / "fleet"),
+                            eval_passed=bool(release.info.get("gates_passed")))
 
 
 # --- the flow --------------------------------------------------------------------------------------------
@@ -269,6 +297,7 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
             for method, path in quantized.info["outputs"].items():
                 model_variants[method] = (path, quantized, quantized.info.get("calibration_digest"))
 
+        releases: dict[str, StageOutput] = {}
         for variant, (path, upstream, calibration) in model_variants.items():
             bundle = bundle_stage(ctx, variant, path, upstream, data, calibration)
             report.add_stage(bundle)
@@ -276,10 +305,15 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
             report.add_eval(f"bundle-{variant}", evaluation)
             release = release_stage(ctx, variant, bundle, evaluation)
             report.add_stage(release)
+            releases[variant] = release
             if "model_uri" in release.info:
                 alias = f" @{release.info['alias']}" if "alias" in release.info else ""
                 report.notes.append(f"{variant}: registered {release.info['model_uri']}{alias} "
                                     f"({release.info['gates']})")
+
+        rollout = rollout_stage(ctx, releases.get(ctx.ship_variant), data)
+        if rollout is not None:
+            report.notes.append("rollout:\n\n" + "\n".join(f"    {line}" for line in rollout.lines))
 
         report.total_seconds = time.perf_counter() - started
         markdown = report.to_markdown()
@@ -288,7 +322,10 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
         create_markdown_artifact(markdown=markdown, key=_artifact_key(recipe.name),
                                  description=f"lifecycle results for {recipe.name}")
         return report.to_dict() | {"mlflow_run_id": parent.info.run_id,
-                                   "tracking_uri": workdir.tracking_uri()}
+                                   "tracking_uri": workdir.tracking_uri(),
+                                   "rollout": None if rollout is None else {
+                                       "version": rollout.version, "result": rollout.result,
+                                       "lines": rollout.lines, "mlflow_run_id": rollout.mlflow_run_id}}
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from artifacts.writer import BundleConfig
 from evals.config import EvalConfig
 from evals.gates import Gate, parse_gate
 from quantize.config import QuantizeConfig
+from serving.rollout.plan import RolloutPlan
 from training.base_model import BaseModelConfig
 from training.data import DataConfig
 from training.stage_config import DPOStageConfig, GRPOStageConfig, SFTStageConfig
@@ -63,6 +64,46 @@ class RegistrySection:
 
 
 @dataclass
+class FleetSection:
+    """The local fleet the pipeline's rollout stage starts (and stops) on 127.0.0.1."""
+
+    threads: int = 1  # torch threads per replica
+    kv_memory: str = "64MiB"
+    gateway_port: int = 0  # 0: a free port
+
+
+@dataclass
+class TrafficSection:
+    """Replayed held-out prompts while the rollout runs."""
+
+    users: int = 60
+    concurrency: int = 4
+    max_tokens: int = 40
+    stream_fraction: float = 0.8
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.users < 1 or self.concurrency < 1 or self.max_tokens < 1:
+            raise ValueError("users, concurrency and max_tokens must be >= 1")
+        if not 0 <= self.stream_fraction <= 1:
+            raise ValueError(f"stream_fraction: must be in [0, 1], got {self.stream_fraction}")
+
+
+@dataclass
+class RolloutSection:
+    """What the pipeline does with a candidate that passed its gates."""
+
+    mode: str = "auto"  # auto: roll it out now on a local fleet; manual: stop at `candidate`; off
+    plan: RolloutPlan = field(default_factory=RolloutPlan)
+    fleet: FleetSection = field(default_factory=FleetSection)
+    traffic: TrafficSection = field(default_factory=TrafficSection)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "manual", "off"):
+            raise ValueError(f"mode: must be 'auto', 'manual' or 'off', got {self.mode!r}")
+
+
+@dataclass
 class Recipe:
     name: str = "tiny-default"
     workdir: Optional[str] = None
@@ -74,6 +115,7 @@ class Recipe:
     quantize: Optional[QuantizeConfig] = field(default_factory=QuantizeConfig)  # null: ship full precision only
     bundle: BundleConfig = field(default_factory=lambda: BundleConfig(name="tiny-default"))
     registry: RegistrySection = field(default_factory=RegistrySection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     # Promotion gates on the final eval record, e.g. "task_accuracy >= 0.4".
     gates: list[str] = field(default_factory=list)
 

@@ -148,9 +148,9 @@ class BaseModelBuild:
 
 def default_cache_root() -> Path:
     """``<workdir>/models/base``, the same place the flow's base stage caches into."""
-    home = os.environ.get("LIFECYCLE_HOME")
-    root = Path(home) if home else Path(__file__).resolve().parents[1] / ".lifecycle"
-    return root / "models" / "base"
+    from artifacts.common.workdir import resolve_workdir
+
+    return resolve_workdir().models / "base"
 
 
 def build_base_model(config: BaseModelConfig, cache_root: Path | str | None = None) -> Path:

@@ -92,6 +92,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # vLLM's: render the last (assistant) message open-ended so the model continues it; the gateway uses
+    # this to finish on another replica a stream whose replica died mid-answer
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _continue_needs_no_generation_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: needs add_generation_prompt=false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
+        return self
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -406,7 +406,8 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
             content = "".join(part.text or "" for part in content if part.type == "text")
         messages.append({"role": m.role, "content": content or ""})
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message)
     except Exception as e:  # template errors come from user content (jinja raise_exception)
         raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
     return tok.encode(text, add_special_tokens=False)

@@ -58,6 +58,7 @@ def run_gateway(config) -> None:
     from serving.gateway.app import build_gateway_app
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call would bury ours
     app = build_gateway_app(config)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5)

@@ -54,6 +54,7 @@ class RequestContext:
     perf_start: float
     reservation: Reservation | None
     probe: bool
+    pinned: bool = False
     mirror: Mirror | None = None
 
 
@@ -129,6 +130,7 @@ class Proxy:
             log.info("%s %s -> %d %s", request_id, path, exc.status, exc.message)
             return exc.response(request_id)
         order, pinned = self._route(request, key, body)
+        ctx.pinned = pinned
         if order[0] == "champion" and not pinned and not ctx.probe:
             self._maybe_mirror(ctx)
         self.metrics.in_flight.labels(order[0]).inc()
@@ -249,34 +251,56 @@ class Proxy:
         return Response(content, status_code=status, media_type=media, headers=headers)
 
     async def _stream(self, ctx: RequestContext, attempt: Attempt) -> AsyncIterator[bytes]:
-        splitter, reading = EventSplitter(), StreamReading()
+        reading = StreamReading()
         first_token: float | None = None
         gaps: list[float] = []
         last = None
         status, error = 200, None
+        continued = False
         try:
-            async for chunk in attempt.response.aiter_raw():
-                out = []
-                for payload in splitter.feed(chunk):
-                    new_text, usage_only = read_event(payload, reading)
-                    if new_text:
-                        now = time.perf_counter()
-                        if first_token is None:
-                            first_token = now
-                        else:
-                            gaps.append(now - last)
-                        last = now
-                    if usage_only and not ctx.wants_usage:
-                        continue
-                    out.append(b"data: " + payload + b"\n\n")
-                if out:
-                    yield b"".join(out)
-            if reading.error is not None:
-                status, error = 599, f"error event: {reading.error.get('message', '')}"[:200]
-        except httpx.HTTPError as exc:
-            status, error = 599, f"{type(exc).__name__}: {exc}"
-            yield b"data: " + orjson.dumps(GatewayError(502, "the replica broke off the stream", "server_error")
-                                           .body()) + b"\n\n"
+            while True:
+                splitter, broke = EventSplitter(), None
+                try:
+                    async for chunk in attempt.response.aiter_raw():
+                        out = []
+                        for payload in splitter.feed(chunk):
+                            had_text = len(reading.text_parts)
+                            new_text, usage_only = read_event(payload, reading)
+                            if reading.error is not None:
+                                break
+                            if continued and not new_text and b'"role"' in payload and had_text:
+                                continue  # the continuation's opening role chunk: the client has had one
+                            if new_text:
+                                now = time.perf_counter()
+                                if first_token is None:
+                                    first_token = now
+                                else:
+                                    gaps.append(now - last)
+                                last = now
+                            if usage_only and not ctx.wants_usage:
+                                continue
+                            out.append(b"data: " + payload + b"\n\n")
+                        if out:
+                            yield b"".join(out)
+                        if reading.error is not None:
+                            broke = f"error event: {reading.error.get('message', '')}"[:200]
+                            break
+                except httpx.HTTPError as exc:
+                    broke = f"{type(exc).__name__}: {exc}"
+                if broke is None:
+                    break
+                # the replica died mid-answer: finish it on another replica (the champion's if need be)
+                nxt = await self._continue_elsewhere(ctx, attempt, reading)
+                if nxt is None:
+                    status, error = 599, broke
+                    yield b"data: " + orjson.dumps(GatewayError(502, "the replica broke off the stream",
+                                                                "server_error").body()) + b"\n\n"
+                    return
+                self._record_broken(ctx, attempt, broke, nxt)
+                with anyio.CancelScope(shield=True):
+                    await attempt.release()
+                attempt, continued = nxt, True
+                reading.error = None
         except (asyncio.CancelledError, GeneratorExit):
             status, error = 499, "client disconnected"
             raise
@@ -285,6 +309,39 @@ class Proxy:
                 await attempt.release()
                 ttft = (first_token - ctx.perf_start) if first_token is not None else None
                 self._finish(ctx, attempt, status, error, ttft, gaps, reading.text, reading.usage)
+
+    async def _continue_elsewhere(self, ctx: RequestContext, broken: Attempt, reading: StreamReading
+                                  ) -> Attempt | None:
+        """Re-open the request on another replica, asking it to continue the partial answer (vLLM's
+        ``continue_final_message`` for chat, the prompt plus the partial text for completions)."""
+        if ctx.pinned:
+            return None
+        self.forwarder.pools.failed(broken.replica, "broke off a stream")
+        body = continuation_body(ctx.path, ctx.body, reading.text, len(reading.text_parts))
+        if body is None:
+            return None
+        order = [broken.variant] if broken.variant == "champion" else [broken.variant, "champion"]
+        try:
+            attempt = await self.forwarder.open(ctx.request_id, ctx.path, body, order, ctx.wall_start, stream=True,
+                                                probe=ctx.probe, exclude=frozenset({broken.replica.url}))
+        except NoReplicaAvailable:
+            return None
+        if attempt.response.status_code != 200:
+            await attempt.release()
+            return None
+        self.forwarder.record_failures(attempt)
+        return attempt
+
+    def _record_broken(self, ctx: RequestContext, attempt: Attempt, reason: str, nxt: Attempt) -> None:
+        """The broken attempt counts against its variant; the user's answer goes on from ``nxt``."""
+        self.store.add(RequestRecord(ts=ctx.wall_start, request_id=ctx.request_id, variant=attempt.variant,
+                                     version=attempt.version, replica=attempt.replica.url, status=599, error=reason,
+                                     e2e_ms=(time.perf_counter() - ctx.perf_start) * 1000, stream=True,
+                                     probe=ctx.probe, fallback_to=nxt.variant))
+        self.metrics.requests.labels(attempt.variant, attempt.version, "599").inc()
+        self.metrics.fallbacks.labels(attempt.variant, nxt.variant).inc()
+        log.warning("%s stream broke on %s (%s): continued on %s %s", ctx.request_id, attempt.replica.url,
+                    attempt.variant, nxt.variant, nxt.replica.url)
 
     def _finish(self, ctx: RequestContext, attempt: Attempt, status: int, error: str | None, ttft_s: float | None,
                 gaps: list[float], text: str | None, usage: dict | None) -> None:
@@ -322,6 +379,30 @@ class Proxy:
             return
         total = usage.get("total_tokens") if isinstance(usage, dict) else None
         self.limiter.settle(ctx.reservation, float(total) if isinstance(total, int) else None)
+
+
+def continuation_body(path: str, body: dict, partial: str, chunks: int) -> dict | None:
+    """The request that asks a replica to go on from ``partial``; None when that cannot be expressed."""
+    if body.get("n", 1) != 1:
+        return None
+    new = dict(body)
+    for name in ("max_completion_tokens", "max_tokens"):
+        if isinstance(body.get(name), int):
+            new[name] = max(1, body[name] - chunks)  # a chunk carries at least one token
+    if not partial:
+        return new
+    if "chat" in path:
+        new["messages"] = [*body.get("messages", []), {"role": "assistant", "content": partial}]
+        new["add_generation_prompt"] = False
+        new["continue_final_message"] = True
+        return new
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        return None
+    new["prompt"] = prompt + partial
+    return new
 
 
 async def _wait_disconnect(request: Request) -> None:

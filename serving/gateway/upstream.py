@@ -37,8 +37,13 @@ class Attempt:
     replica: Replica
     response: httpx.Response
     failed_before: list[RequestRecord] = field(default_factory=list)
+    released: bool = False
 
     async def release(self) -> None:
+        """Give the connection back and count the replica's load down (once, however often called)."""
+        if self.released:
+            return
+        self.released = True
         self.replica.in_flight -= 1
         await self.response.aclose()
 
@@ -58,7 +63,7 @@ class Forwarder:
         return orjson.dumps({**body, "model": served} if served else body)
 
     async def open(self, request_id: str, path: str, body: dict, order: list[str], wall_start: float,
-                   *, stream: bool, probe: bool) -> Attempt:
+                   *, stream: bool, probe: bool, exclude: frozenset[str] = frozenset()) -> Attempt:
         failed: list[RequestRecord] = []
         last_reason = "no healthy replica"
         for variant in order:
@@ -67,6 +72,8 @@ class Forwarder:
             fault = state.faults.get(variant)
             payload = self.payload(body, variant)
             for replica in self.pools.pick_order(variant):
+                if replica.url in exclude:
+                    continue
                 if fault is not None and fault.delay_ms > 0:  # a drill: this variant answers slowly
                     await asyncio.sleep(fault.delay_ms / 1000)
                 if fault is not None and self.rng.random() * 100 < fault.abort_percent:

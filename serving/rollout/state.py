@@ -48,6 +48,7 @@ class RolloutSpec:
     plan: RolloutPlan = field(default_factory=RolloutPlan)
     start: str = SHADOW  # "shadow" (with its noise floor first) or "canary" (skip the shadow phase)
     eval_passed: bool | None = None  # the candidate's offline gates, when known locally
+    fleet_dir: str = ""  # a local fleet whose retired replicas the flow stops at the end
 
 
 @dataclass

@@ -24,8 +24,9 @@ class Registry:
     bundles: dict[str, Path]
 
 
-def register_versions(tmp: Path, models: dict[str, Path]) -> Registry:
-    """Bundle each model dir and register it, in order, as a version of `micro`; the first is champion."""
+def register_versions(tmp: Path, models: dict[str, Path], champion: bool = True) -> Registry:
+    """Bundle each model dir and register it, in order, as a version of `micro`; the first is champion
+    unless ``champion`` is False (a model nobody has deployed yet)."""
     from mlflow import MlflowClient
 
     from artifacts.manifest import Lineage
@@ -41,7 +42,8 @@ def register_versions(tmp: Path, models: dict[str, Path]) -> Registry:
             bundle = write_bundle(model_dir, tmp / f"bundle-{label}",
                                   BundleConfig(name=MODEL, version=f"{label}-{i}", max_shard_size="100KB"),
                                   Lineage(base_model=f"test:{label}"))
-            ref = register_bundle(bundle, MODEL, tracking_uri=tracking_uri, aliases=("champion",) if i == 0 else ())
+            aliases = ("champion",) if i == 0 and champion else ()
+            ref = register_bundle(bundle, MODEL, tracking_uri=tracking_uri, aliases=aliases)
             MlflowClient(tracking_uri).set_model_version_tag(MODEL, ref.version, "lifecycle.gates_passed", "true")
             versions[label], bundles[label] = ref.version, bundle
     finally:

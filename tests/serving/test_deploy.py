@@ -79,8 +79,9 @@ def test_deploy_serves_the_registered_snapshot_and_tags_it(registered, tmp_path:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = os.environ | {"LIFECYCLE_HOME": str(tmp_path / "home")}
-    server = subprocess.Popen([*DEPLOY, "snapshot", "models:/micro@champion", "--tracking-uri", tracking_uri,
-                               "--port", str(port), "--kv-memory", "16MiB", "--threads", "1"],
+    server = subprocess.Popen([*DEPLOY, "snapshot", "models:/micro@champion", "--standalone",
+                               "--tracking-uri", tracking_uri, "--port", str(port), "--kv-memory", "16MiB",
+                               "--threads", "1"],
                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180

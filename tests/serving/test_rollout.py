@@ -7,10 +7,14 @@ port stops answering); everything else is the real path.
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 from mlflow import MlflowClient
 
 from serving.rollout.controller import Controller
 from serving.rollout.traffic import TrafficGenerator, TrafficSpec
+from tests.browser import chromium_path, headless_page, mlflow_ui_server, page_text, save_screenshot, squash_whitespace
 from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_versions, spec_for
 
 
@@ -25,24 +29,68 @@ def _aliases(tracking_uri: str) -> dict[str, str]:
     return out
 
 
-def test_good_candidate_goes_shadow_canary_promoted(tmp_path, tiny_model_dir):
-    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
-    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+@pytest.fixture(scope="module")
+def promoted(tmp_path_factory, tiny_model_dir):
+    """One good rollout (the same weights re-released as a new version), shared by the tests that read it."""
+    tmp = tmp_path_factory.mktemp("promoted")
+    registry = register_versions(tmp, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    with fleet(tmp, tiny_model_dir, tiny_model_dir) as f:
         traffic = TrafficGenerator(f["gateway_url"], f["user_key"], TrafficSpec(concurrency=3, max_tokens=12),
                                    model=MODEL).start()
         try:
-            controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", fast_plan()))
+            controller = Controller.create(tmp / "rollout", spec_for(f, registry, "a", "a2", fast_plan()))
             state = controller.run_until_done(max_seconds=180)
         finally:
             stats = traffic.stop()
-        assert state.phase == "promoted", (state.reason, [a["summary"] for a in state.analyses])
-        phases = [d["to"] for d in state.decisions if d["kind"] == "phase"]
-        assert phases[:4] == ["baseline", "shadow", "canary 50%", "promoted"]
-        assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a2"],
-                                                   "previous-champion": registry.versions["a"]}
         routing = f["gateway"].routing.state
-        assert routing.champion.version == registry.versions["a2"] and not routing.canary.active
-        assert stats.user_errors == 0 and stats.sent > 20
+    return registry, state, stats, routing
+
+
+def test_good_candidate_goes_shadow_canary_promoted(promoted):
+    registry, state, stats, routing = promoted
+    assert state.phase == "promoted", (state.reason, [a["summary"] for a in state.analyses])
+    phases = [d["to"] for d in state.decisions if d["kind"] == "phase"]
+    assert phases[:4] == ["baseline", "shadow", "canary 50%", "promoted"]
+    assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a2"],
+                                               "previous-champion": registry.versions["a"]}
+    assert routing.champion.version == registry.versions["a2"] and not routing.canary.active
+    assert stats.user_errors == 0 and stats.sent > 20
+    floor = state.analyses[0]
+    assert floor["phase"] == "baseline" and floor["verdicts"][0]["gate"] == "noise_floor"
+    shadow = {v["gate"]: v for v in state.analyses[1]["verdicts"]}
+    assert {"error_rate", "ms_per_token_p95_ratio", "agreement", "eval_record"} <= set(shadow)
+    canary = {v["gate"] for v in state.analyses[2]["verdicts"]}
+    assert {"error_rate", "rate_limited", "ttft_p95_ratio", "itl_p95_ratio"} <= canary
+    client = MlflowClient(registry.tracking_uri)
+    run = client.get_run(state.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.params["steps"] == "50%/4s"
+    history = client.get_metric_history(state.mlflow_run_id, "canary_weight")
+    assert sorted((m.step, m.value) for m in history)[-1] == (3, 50.0)  # MLflow step = rollout analysis
+    tags = client.get_model_version(MODEL, registry.versions["a2"]).tags
+    assert tags["rollout.state"] == "promoted" and tags["rollout.verdict"].startswith("pass")
+    assert "agree 1.00 (floor 1.00)" in tags["rollout.vs_champion"]
+    assert client.get_model_version(MODEL, registry.versions["a"]).tags["rollout.state"] == "previous champion"
+
+
+@pytest.mark.skipif(chromium_path() is None or importlib.util.find_spec("playwright") is None,
+                    reason="needs Debian's chromium and playwright (.ci/run installs both)")
+def test_the_mlflow_ui_shows_the_aliases_and_the_rollout_run(promoted, tmp_path):
+    """A person's view: the model page in a real browser shows who is champion and the rollout state, and the
+    rollout run is there with its decision."""
+    registry, state, _, _ = promoted
+    client = MlflowClient(registry.tracking_uri)
+    experiment = client.get_experiment_by_name("rollouts")
+    with mlflow_ui_server(registry.tracking_uri) as ui, headless_page() as page:
+        model_page = squash_whitespace(page_text(page, f"{ui}/#/models/{MODEL}", "champion"))
+        assert "@ champion" in model_page and "@ previous-champion" in model_page
+        assert "rollout.state : promoted" in model_page and "rollout.state : previous champion" in model_page
+        save_screenshot(page, tmp_path / "model-page.png")
+        run_page = squash_whitespace(page_text(
+            page, f"{ui}/#/experiments/{experiment.experiment_id}/runs/{state.mlflow_run_id}", "rollout.status"))
+        assert f"{MODEL} v{registry.versions['a2']} vs v{registry.versions['a']}" in run_page
+        assert "promoted" in run_page
+        save_screenshot(page, tmp_path / "rollout-run.png")
+        print(f"screenshots: {tmp_path / 'model-page.png'} {tmp_path / 'rollout-run.png'}")
 
 
 def _decisions(state, kind: str) -> list[dict]:

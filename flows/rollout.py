@@ -1,0 +1,172 @@
+"""The rollout as Prefect flows: one that drives a persisted rollout to its end (what `deploy` starts in the
+background), and the pipeline's last stage, which rolls the new candidate out on a local fleet.
+
+The controller itself lives in ``serving.rollout``; these flows add what orchestration gives: a flow run per
+rollout in the Prefect UI with its timeline and gate table as artifacts, and the fleet's lifetime around it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from rich.console import Console
+
+from flows.recipe import RolloutSection
+
+console = Console(stderr=True)
+
+
+def _timeline_markdown(directory: str) -> str:
+    from serving.rollout import report
+    from serving.rollout.state import StateFile
+
+    state = StateFile(directory).load()
+    return report.timeline_markdown(state) + "\n" + report.comparison_markdown(state)
+
+
+def _artifact_key(text: str) -> str:
+    return "rollout-" + "".join(c if c.isalnum() else "-" for c in text.lower())[:90]
+
+
+@flow(name="rollout", log_prints=True, validate_parameters=False)
+def rollout_flow(rollout_dir: str, max_seconds: float | None = None) -> dict[str, Any]:
+    """Drive the rollout persisted in ``rollout_dir`` until it is promoted or rolled back (resumes one
+    a killed process left), then retire the replicas no variant routes to."""
+    from serving.rollout.controller import Controller
+
+    controller = Controller(rollout_dir, say=lambda line: console.print(line, highlight=False))
+    try:
+        state = controller.run_until_done(max_seconds)
+    finally:
+        controller.close()
+    _retire(state)
+    create_markdown_artifact(markdown=_timeline_markdown(rollout_dir), key=_artifact_key(state.id),
+                             description=f"rollout of v{state.spec.candidate_version}: {state.phase}")
+    return {"id": state.id, "phase": state.phase, "reason": state.reason, "mlflow_run_id": state.mlflow_run_id}
+
+
+def _retire(state) -> None:
+    if not state.terminal or not state.spec.fleet_dir:
+        return
+    from serving.rollout.fleet import LocalFleet
+    from serving.rollout.gateway_client import GatewayAdmin
+
+    fleet = LocalFleet(state.spec.fleet_dir, state.spec.model_name, state.spec.tracking_uri)
+    gateway = GatewayAdmin(state.spec.gateway_url, fleet.admin_key())
+    try:
+        for replica in fleet.retire_unrouted(gateway.routing()):
+            console.print(f"retired the replica of v{replica.version} ({replica.url})", highlight=False)
+    finally:
+        gateway.close()
+
+
+# ----------------------------------------------------------------------------- the pipeline's rollout stage
+@dataclass
+class RolloutOutcome:
+    version: str
+    result: str  # promoted | rolled_back | paused | awaiting_approval | champion-installed | already-champion | manual
+    lines: list[str] = field(default_factory=list)
+    mlflow_run_id: str | None = None
+
+
+@flow(name="release-rollout", log_prints=True, validate_parameters=False)
+def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bundle: str, data_dir: str,
+                     tracking_uri: str, fleet_dir: str, eval_passed: bool | None = None) -> RolloutOutcome:
+    """Roll the pipeline's new candidate out against the current champion on a local fleet, with replayed
+    held-out traffic; the fleet stops when the rollout ends (the registry keeps the verdict)."""
+    from serving.rollout.registry_console import RegistryConsole
+
+    champion = RegistryConsole(model_name, tracking_uri).alias_version("champion")
+    if champion == version:
+        line = f"version {version} is already champion; nothing to roll out"
+        console.print(f"[green]✓ rollout[/] {line}", highlight=False)
+        return RolloutOutcome(version, "already-champion", [line])
+    if section.mode == "manual":
+        line = (f"v{version} is `candidate`; roll it out with: deploy snapshot models:/{model_name}/{version} "
+                f"--probes {data_dir} --wait")
+        console.print(f"[yellow]- rollout[/] manual: {line}", highlight=False)
+        return RolloutOutcome(version, "manual", [line])
+    from serving.rollout.fleet import LocalFleet
+
+    fleet = LocalFleet(fleet_dir, model_name, tracking_uri, gateway_port=section.fleet.gateway_port or None,
+                       threads=section.fleet.threads, kv_memory=section.fleet.kv_memory)
+    try:
+        if champion is None:
+            return _install_first(fleet, model_name, version, bundle, tracking_uri)
+        return _roll_out(section, fleet, model_name, version, champion, bundle, data_dir, tracking_uri,
+                         eval_passed)
+    finally:
+        fleet.stop_all()
+        console.print("[dim]local fleet stopped[/]", highlight=False)
+
+
+def _install_first(fleet, model_name: str, version: str, bundle: str, tracking_uri: str) -> RolloutOutcome:
+    from serving.rollout.install import install_champion
+
+    console.print(f"[bold cyan]▶ rollout[/] no champion yet: v{version} becomes champion after a smoke check",
+                  highlight=False)
+    replica = fleet.start_replica(bundle, version)
+    url = fleet.ensure_gateway(champion=replica)
+    result = install_champion(model_name=model_name, version=version, replica_url=replica.url,
+                              served_model=replica.served_model, gateway_url=url, admin_key=fleet.admin_key(),
+                              tracking_uri=tracking_uri, cause="first champion: no champion before",
+                              actor="lifecycle pipeline")
+    line = f"v{version} is champion (first champion, smoke check passed; MLflow run {result['run_id']})"
+    console.print(f"[green]✓ rollout[/] {line}", highlight=False)
+    return RolloutOutcome(version, "champion-installed", [line], result["run_id"])
+
+
+def _roll_out(section: RolloutSection, fleet, model_name: str, version: str, champion: str, bundle: str,
+              data_dir: str, tracking_uri: str, eval_passed: bool | None) -> RolloutOutcome:
+    from artifacts.common.workdir import resolve_workdir
+    from artifacts.registry import resolve_bundle
+    from serving.rollout import report
+    from serving.rollout.controller import Controller
+    from serving.rollout.state import RolloutSpec
+    from serving.rollout.traffic import TrafficGenerator, TrafficSpec
+
+    plan = section.plan
+    if not plan.probes.data_dir:
+        plan = replace(plan, probes=replace(plan.probes, data_dir=data_dir))
+    console.print(f"[bold cyan]▶ rollout[/] v{version} against champion v{champion}: starting the local fleet",
+                  highlight=False)
+    champion_bundle = resolve_bundle(f"models:/{model_name}/{champion}", resolve_workdir().deployments,
+                                     tracking_uri=tracking_uri)
+    champion_replica = fleet.start_replica(champion_bundle, champion)
+    url = fleet.ensure_gateway(champion=champion_replica)
+    candidate = fleet.start_replica(bundle, version)
+    spec = RolloutSpec(model_name=model_name, candidate_version=version, champion_version=champion,
+                       candidate_replicas=[candidate.url], champion_replicas=[champion_replica.url],
+                       candidate_served_model=candidate.served_model,
+                       champion_served_model=champion_replica.served_model, gateway_url=url,
+                       admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri, plan=plan,
+                       eval_passed=eval_passed, fleet_dir=str(fleet.root))
+    t = section.traffic
+    traffic = TrafficGenerator(url, fleet.user_key(), TrafficSpec(
+        data_dir=data_dir, users=t.users, concurrency=t.concurrency, max_tokens=t.max_tokens,
+        stream_fraction=t.stream_fraction, temperature=t.temperature), model=model_name).start()
+    started = time.perf_counter()
+    try:
+        directory = fleet.rollouts / f"v{version}-{time.strftime('%Y%m%d-%H%M%S')}"
+        controller = Controller.create(directory, spec, say=lambda line: console.print(line, highlight=False))
+        # a pipeline run does not wait for a person: a pause ends the stage, the rollout stays resumable
+        state = controller.run_until_done(stop_when_waiting=True)
+        controller.close()
+    finally:
+        stats = traffic.stop()
+    lines = report.timeline_lines(state)
+    lines.append(f"traffic: {stats.sent} requests from {t.users} users, {stats.user_errors} errors seen by users, "
+                 f"by variant {dict(stats.variants)}; {time.perf_counter() - started:.0f} s")
+    if not state.terminal:
+        lines.append(f"{state.phase}: {state.reason} — resume with `lifecycle rollout run {directory}` after "
+                     "deciding in the MLflow UI")
+    create_markdown_artifact(markdown=_timeline_markdown(str(directory)), key=_artifact_key(state.id),
+                             description=f"rollout of v{version}: {state.phase}")
+    mark = "[green]✓" if state.phase == "promoted" else "[red]✗" if state.phase == "rolled_back" else "[yellow]…"
+    console.print(f"{mark} rollout[/] v{version}: {state.phase}" + (f" ({state.reason})" if state.reason else ""),
+                  highlight=False)
+    return RolloutOutcome(version, state.phase, lines, state.mlflow_run_id)
