@@ -14,7 +14,7 @@ import random
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -64,7 +64,7 @@ class Gateway:
         self.store = ObservationStore(config.state_path)
         self.pools = ReplicaPools(self.metrics, config.health.eject_after)
         self.rng = random.Random(seed)
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self.proxy: Proxy | None = None
         self._sync()
 
@@ -76,9 +76,10 @@ class Gateway:
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
-        timeout = httpx.Timeout(self.config.upstream_timeout_s, connect=self.config.connect_timeout_s)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=2048,
-                                                                             max_keepalive_connections=256))
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.upstream_timeout_s)
+        self.client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(
+            limit=2048, limit_per_host=0, keepalive_timeout=60, enable_cleanup_closed=True))
         forwarder = Forwarder(self.client, self.pools, self.routing, self.store, self.metrics, self.rng)
         shadow = ShadowMirror(self.client, self.pools, self.routing, self.store, self.metrics,
                               self.config.shadow_mirror, _tokenizer(self.config))
@@ -97,7 +98,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
             await shadow.drain()
-            await self.client.aclose()
+            await self.client.close()
             self.store.close()
 
     # ----------------------------------------------------------------- admin

@@ -16,8 +16,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import aiohttp
 import anyio
-import httpx
 import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -149,7 +149,7 @@ class Proxy:
         self.forwarder.record_failures(attempt)
         headers = {"x-request-id": request_id, "x-lifecycle-variant": attempt.variant,
                    "x-lifecycle-version": attempt.version}
-        if ctx.stream and attempt.response.status_code == 200:
+        if ctx.stream and attempt.status == 200:
             return StreamingResponse(self._stream(ctx, attempt), media_type="text/event-stream", headers=headers)
         return await self._full(request, ctx, attempt, headers)
 
@@ -220,8 +220,9 @@ class Proxy:
 
     # ----------------------------------------------------------------- answers
     async def _full(self, request: Request, ctx: RequestContext, attempt: Attempt, headers: dict) -> Response:
-        read = asyncio.ensure_future(attempt.response.aread())
+        read = asyncio.ensure_future(attempt.response.read())
         gone = asyncio.ensure_future(_wait_disconnect(request))
+        complete = False
         try:
             done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
             if read not in done:  # the client left: stop the upstream work too
@@ -229,15 +230,16 @@ class Proxy:
                 self._finish(ctx, attempt, 499, "client disconnected", None, [], None, None)
                 return Response(status_code=499)
             content = read.result()
-        except httpx.HTTPError as exc:
+            complete = True
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self._finish(ctx, attempt, 599, f"{type(exc).__name__}: {exc}", None, [], None, None)
             return GatewayError(502, f"the replica broke off the answer ({type(exc).__name__})", "server_error",
                                 ).response(ctx.request_id)
         finally:
             gone.cancel()
             with anyio.CancelScope(shield=True):
-                await attempt.release()
-        status = attempt.response.status_code
+                await attempt.release(complete)
+        status = attempt.status
         text, usage = "", None
         if status == 200:
             try:
@@ -256,19 +258,18 @@ class Proxy:
         gaps: list[float] = []
         last = None
         status, error = 200, None
-        continued = False
+        continued = complete = False
         try:
             while True:
                 splitter, broke = EventSplitter(), None
                 try:
-                    async for chunk in attempt.response.aiter_raw():
+                    async for chunk in attempt.response.content.iter_any():
                         out = []
                         for payload in splitter.feed(chunk):
-                            had_text = len(reading.text_parts)
                             new_text, usage_only = read_event(payload, reading)
                             if reading.error is not None:
                                 break
-                            if continued and not new_text and b'"role"' in payload and had_text:
+                            if continued and not new_text and b'"role"' in payload:
                                 continue  # the continuation's opening role chunk: the client has had one
                             if new_text:
                                 now = time.perf_counter()
@@ -285,9 +286,10 @@ class Proxy:
                         if reading.error is not None:
                             broke = f"error event: {reading.error.get('message', '')}"[:200]
                             break
-                except httpx.HTTPError as exc:
+                except (aiohttp.ClientError, TimeoutError) as exc:
                     broke = f"{type(exc).__name__}: {exc}"
                 if broke is None:
+                    complete = True
                     break
                 # the replica died mid-answer: finish it on another replica (the champion's if need be)
                 nxt = await self._continue_elsewhere(ctx, attempt, reading)
@@ -298,7 +300,7 @@ class Proxy:
                     return
                 self._record_broken(ctx, attempt, broke, nxt)
                 with anyio.CancelScope(shield=True):
-                    await attempt.release()
+                    await attempt.release(complete=False)
                 attempt, continued = nxt, True
                 reading.error = None
         except (asyncio.CancelledError, GeneratorExit):
@@ -306,9 +308,10 @@ class Proxy:
             raise
         finally:
             with anyio.CancelScope(shield=True):
-                await attempt.release()
+                await attempt.release(complete)
                 ttft = (first_token - ctx.perf_start) if first_token is not None else None
-                self._finish(ctx, attempt, status, error, ttft, gaps, reading.text, reading.usage)
+                text = reading.text if ctx.mirror is not None else None
+                self._finish(ctx, attempt, status, error, ttft, gaps, text, reading.usage)
 
     async def _continue_elsewhere(self, ctx: RequestContext, broken: Attempt, reading: StreamReading
                                   ) -> Attempt | None:
@@ -317,7 +320,7 @@ class Proxy:
         if ctx.pinned:
             return None
         self.forwarder.pools.failed(broken.replica, "broke off a stream")
-        body = continuation_body(ctx.path, ctx.body, reading.text, len(reading.text_parts))
+        body = continuation_body(ctx.path, ctx.body, reading.text, reading.chunks)
         if body is None:
             return None
         order = [broken.variant] if broken.variant == "champion" else [broken.variant, "champion"]
@@ -326,8 +329,8 @@ class Proxy:
                                                 probe=ctx.probe, exclude=frozenset({broken.replica.url}))
         except NoReplicaAvailable:
             return None
-        if attempt.response.status_code != 200:
-            await attempt.release()
+        if attempt.status != 200:
+            await attempt.release(complete=False)
             return None
         self.forwarder.record_failures(attempt)
         return attempt

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from serving.gateway.metrics import GatewayMetrics
 
@@ -89,19 +89,21 @@ class ReplicaPools:
             self.metrics.replica_up.labels(replica.variant, replica.url).set(0)
 
     # ----------------------------------------------------------------- active checks
-    async def poll_forever(self, client: httpx.AsyncClient, interval_s: float, timeout_s: float) -> None:
+    async def poll_forever(self, client: aiohttp.ClientSession, interval_s: float, timeout_s: float) -> None:
         while True:
             await asyncio.gather(*(self._check(client, r, timeout_s) for r in self.all()))
             await asyncio.sleep(interval_s)
 
-    async def _check(self, client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> None:
+    async def _check(self, client: aiohttp.ClientSession, replica: Replica, timeout_s: float) -> None:
         replica.last_checked = time.time()
         try:
-            response = await client.get(f"{replica.url}/ready", timeout=timeout_s)
-        except httpx.HTTPError as exc:
+            async with client.get(f"{replica.url}/ready", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                status = r.status
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self.failed(replica, f"/ready: {type(exc).__name__}")
             return
-        if response.status_code == 200:
+        if status == 200:
             self.succeeded(replica)
         else:
-            self.failed(replica, f"/ready answered {response.status_code}")
+            self.failed(replica, f"/ready answered {status}")

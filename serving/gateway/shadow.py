@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-import httpx
+import aiohttp
 import orjson
 
 from serving.gateway.compare import compare_replies
@@ -41,7 +41,7 @@ class Mirror:
 
 
 class ShadowMirror:
-    def __init__(self, client: httpx.AsyncClient, pools: ReplicaPools, routing: RoutingStore,
+    def __init__(self, client: aiohttp.ClientSession, pools: ReplicaPools, routing: RoutingStore,
                  store: ObservationStore, metrics: GatewayMetrics, config: ShadowConfig,
                  tokenize: Callable[[str], list] | None = None) -> None:
         self.client = client
@@ -87,16 +87,17 @@ class ShadowMirror:
         start = time.perf_counter()
         status, text, error, usage = 599, "", None, {}
         try:
-            response = await self.client.post(url + path, content=orjson.dumps(payload),
-                                              headers={"content-type": "application/json",
-                                                       "x-request-id": f"{request_id}-shadow"})
-            status = response.status_code
+            async with self.client.post(url + path, data=orjson.dumps(payload),
+                                        headers={"content-type": "application/json",
+                                                 "x-request-id": f"{request_id}-shadow"}) as response:
+                status = response.status
+                body = await response.read()
             if status == 200:
-                answer = response.json()
+                answer = orjson.loads(body)
                 text, usage = response_text(answer), answer.get("usage") or {}
             else:
-                error = response.text[:200]
-        except (httpx.HTTPError, ValueError) as exc:
+                error = body[:200].decode(errors="replace")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             self.in_flight -= 1

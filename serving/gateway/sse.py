@@ -1,17 +1,24 @@
-"""Just enough of OpenAI's server-sent events to forward a stream event by event and read what it says.
+"""Just enough of OpenAI's server-sent events to forward a stream event by event and learn what it says.
 
 The gateway forwards each complete event as soon as it has it (never a partial one, so it can drop the
-usage event it asked for on the client's behalf), and reads from each its text and usage.
+usage event it asked for on the client's behalf). Per event it does one byte-level regex search: does this
+event carry text (for time to first token and inter-token gaps)? JSON is parsed only for the rare events
+that matter whole (usage, errors); the text itself is rebuilt from the kept events only when someone needs
+it (a shadow comparison, or a failover that continues the partial answer).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 DONE = b"[DONE]"
+# a non-empty "text" (completions) or "content" (chat delta) string, with or without spaces around ':'
+_HAS_TEXT = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')
+_HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
 
 
 class EventSplitter:
@@ -35,48 +42,54 @@ class EventSplitter:
 
 @dataclass
 class StreamReading:
-    """What a stream said so far: the first choice's text, the usage block, an error if one came."""
+    """What a stream said so far: its text-carrying events (kept raw), the usage block, an error."""
 
-    text_parts: list[str] = field(default_factory=list)
+    events: list[bytes] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
-    finish_reason: str | None = None
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        """The first choice's text so far (parsed only when asked)."""
+        parts = []
+        for payload in self.events:
+            try:
+                event = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            for choice in event.get("choices") or []:
+                if choice.get("index", 0) == 0:
+                    parts.append(_choice_text(choice))
+        return "".join(parts)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.events)
 
 
 def read_event(payload: bytes, reading: StreamReading) -> tuple[bool, bool]:
     """Update ``reading`` from one event; returns (carries new text, is a usage-only event)."""
     if payload == DONE:
         return False, False
-    try:
-        event = orjson.loads(payload)
-    except orjson.JSONDecodeError:
+    if payload.startswith(b'{"error"') or (b'"error"' in payload[:40]):
+        try:
+            reading.error = orjson.loads(payload).get("error") or {"message": "error event"}
+        except orjson.JSONDecodeError:
+            reading.error = {"message": payload[:200].decode(errors="replace")}
         return False, False
-    if not isinstance(event, dict):
-        return False, False
-    if "error" in event:
-        reading.error = event["error"]
-        return False, False
-    choices = event.get("choices") or []
-    if event.get("usage") is not None:
-        reading.usage = event["usage"]
-        if not choices:
+    if _HAS_USAGE.search(payload) and b'"usage":null' not in payload:
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return False, False
+        if isinstance(event.get("usage"), dict):
+            reading.usage = event["usage"]
+        if not event.get("choices"):
             return False, True
-    new_text = False
-    for choice in choices:
-        if choice.get("index", 0) != 0:
-            new_text = new_text or bool(_choice_text(choice))
-            continue
-        text = _choice_text(choice)
-        if text:
-            reading.text_parts.append(text)
-            new_text = True
-        if choice.get("finish_reason"):
-            reading.finish_reason = choice["finish_reason"]
-    return new_text, False
+    if _HAS_TEXT.search(payload):
+        reading.events.append(payload)
+        return True, False
+    return False, False
 
 
 def _choice_text(choice: dict[str, Any]) -> str:
