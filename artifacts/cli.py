@@ -1,7 +1,7 @@
 """`lifecycle bundle ...` subcommands: write, verify, register, resolve.
 
-Handlers raise `LifecycleError` subclasses (BundleError, BundleVerificationError, RegistryError); the
-lead's `flows/cli.py` prints `error: <message>` and exits 2, so a refused bundle is one line, no traceback.
+Handlers raise `LifecycleError` subclasses (BundleError, BundleVerificationError, RegistryError);
+`flows/cli.py` prints `error: <message>` and exits 2, so a refused bundle is one line, no traceback.
 """
 
 from __future__ import annotations

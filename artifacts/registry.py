@@ -1,6 +1,6 @@
 """Bundles as versions of an MLflow registered model, and the way back to a verified local directory.
 
-MLflow 3 quirks this module works around (see NOTES.md): `register_model('runs:/…')` on a plain artifact
+MLflow 3 quirks this module works around: `register_model('runs:/…')` on a plain artifact
 directory fails, so the bundle is logged as run artifacts and registered with
 `MlflowClient.create_model_version(name, source=<artifact uri>, run_id=…)`; `search_model_versions`
 returns empty aliases, so aliases are read with `get_model_version_by_alias`.

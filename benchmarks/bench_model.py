@@ -1,8 +1,8 @@
 """Build (once) the serving-benchmark model: a seeded random-init tiny Llama saved as a local HF dir.
 
 Random weights are enough for throughput and latency: every request sets ``ignore_eos`` so output
-lengths are fixed by the workload, not by what the model says. The shape matches the one in
-/work/shared/NOTES.md ("Serving peers") so figures compare with those field notes.
+lengths are fixed by the workload, not by what the model says. The shape (hidden 512, 8 layers, 8 query /
+2 KV heads, vocab 8192) is that of ``benchmarks/RESULTS.md``, so new figures compare with the recorded ones.
 """
 
 from __future__ import annotations

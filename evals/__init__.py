@@ -27,7 +27,7 @@ _EXPORTS = {
     "write_results_json": "evals.results",
     "run_evals": "evals.runner",
     "SUITES": "evals.suites",
-    "suite_names": "evals.suites",
+    "suite_names": "evals.suite_names",
     "log_results": "evals.tracking",
 }
 

@@ -18,7 +18,7 @@ from evals.errors import EvalError
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     from evals.config import EvalConfig
-    from evals.suites import suite_names
+    from evals.suite_names import suite_names
 
     defaults = EvalConfig()  # one source for the defaults: the recipe's `evals:` block and this CLI agree
     p = subparsers.add_parser("eval", help="run eval suites on a model dir against a data-stage output dir")
@@ -44,7 +44,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from evals.gates import check_gates, parse_gate
     from evals.results import markdown_table, write_results_json
     from evals.runner import run_evals
-    from evals.suites import suite_names
+    from evals.suite_names import suite_names
 
     try:
         gates = [parse_gate(text) for text in args.gate]

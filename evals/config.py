@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from evals.suites import suite_names
+from evals.suite_names import suite_names
 
 
 @dataclass

@@ -1,13 +1,15 @@
-"""The lifecycle flow: base → data → SFT → DPO → GRPO → quantize → bundle → verify → register → evals.
+"""The lifecycle flow: base → data → SFT → DPO → GRPO → quantize → bundle → verify → register → evals → rollout.
 
-Each stage reads the previous stage's output directory and writes its own (see DESIGN.md); this
-module only decides the order, the cache keys and the MLflow run structure. Stage logic lives in
-the stage packages. Importing this module is cheap; heavy imports happen inside the stages.
+Each stage reads the previous stage's output directory and writes its own, so any stage can be re-run,
+cached or moved to another machine; this module only decides the order, the cache keys and the MLflow run
+structure. Stage logic lives in the stage packages. Importing this module is cheap; heavy imports happen
+inside the stages.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +17,11 @@ from typing import Any
 
 import mlflow
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
 
+from artifacts.errors import LifecycleError
 from flows.environment import Workdir, resolve_workdir
+from flows.notify import notify_failure
+from flows.prefect_artifacts import publish_artifacts
 from flows.recipe import Recipe, load_recipe
 from flows.report import PipelineReport, stage_change_note
 from flows.stage_runner import StageOutput, StageWork, console, is_complete, run_stage, stage_key
@@ -87,8 +91,7 @@ def base_stage(ctx: PipelineContext) -> StageOutput:
 
 def data_stage(ctx: PipelineContext) -> StageOutput:
     config = ctx.recipe.data
-    local_files = [p for p in (config.sft_path, config.preference_path, config.grpo_path) if p]
-    key = stage_key("data", config, extra={p: _file_fingerprint(Path(p)) for p in local_files})
+    key = data_key(config)
 
     def build(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
         from training.data import build_datasets
@@ -96,9 +99,32 @@ def data_stage(ctx: PipelineContext) -> StageOutput:
         manifest = build_datasets(config, out_dir / "data")
         mlflow.log_dict(manifest.to_json(), "data_manifest.json")
         metrics = {f"records/{name}": float(count) for name, count in manifest.counts.items()}
-        return metrics, {"path": str(manifest.path), "digest": manifest.digest, "files": manifest.files}
+        return metrics, {"path": str(manifest.path), "digest": manifest.digest, "files": manifest.files,
+                         "sources": local_sources(config)}
 
     return ctx.run("data", key, build, params=_asdict(config))
+
+
+def local_sources(config: Any) -> dict[str, dict[str, str]]:
+    """sha256 of every local file the data stage reads (a dataset directory: each file in it)."""
+    from artifacts.digests import sha256_file
+    from training.loaders import dataset_files
+
+    out: dict[str, dict[str, str]] = {}
+    for path in (config.sft_path, config.preference_path, config.grpo_path):
+        if path:
+            try:
+                files = dataset_files(path)
+            except LifecycleError:
+                files = []  # an empty directory: the data stage itself says so, naming it
+            out[str(path)] = {f.name: sha256_file(f) if f.is_file() else "missing" for f in files}
+    return out
+
+
+def data_key(config: Any) -> str:
+    """The data stage's key: its config and the content of every file it reads, so a new or changed file
+    re-runs the data stage and everything after it, and nothing before it."""
+    return stage_key("data", config, extra=local_sources(config))
 
 
 def eval_stage(ctx: PipelineContext, label: str, model: StageOutput, data: StageOutput) -> StageOutput:
@@ -255,7 +281,26 @@ def rollout_stage(ctx: PipelineContext, release: StageOutput | None, data: Stage
 
 # --- the flow --------------------------------------------------------------------------------------------
 
-@flow(name="lifecycle", log_prints=True)
+def _run_name() -> str:
+    """`<recipe>-data-<version>`: which recipe, on which data (the data stage's key), at a glance."""
+    from prefect.runtime import flow_run
+
+    recipe_path = flow_run.parameters.get("recipe_path", "")
+    try:
+        recipe = load_recipe(recipe_path)
+        return f"{recipe.name}-data-{data_key(recipe.data)[:8]}"
+    except Exception:  # noqa: BLE001 - a bad recipe fails the run itself, with its message
+        return f"{Path(recipe_path).stem or 'lifecycle'}-unreadable-recipe"
+
+
+def _run_timeout() -> float | None:
+    """A scheduled deployment's time limit (set per deployment by `lifecycle schedule --timeout`)."""
+    value = os.environ.get("LIFECYCLE_RUN_TIMEOUT_S")
+    return float(value) if value else None
+
+
+@flow(name="lifecycle", log_prints=True, flow_run_name=_run_name, on_failure=[notify_failure],
+      on_crashed=[notify_failure], timeout_seconds=_run_timeout())
 def lifecycle(recipe_path: str) -> dict[str, Any]:
     """Run every enabled stage of the recipe; finished stages come from Prefect's cache."""
     started = time.perf_counter()
@@ -290,6 +335,7 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
             model_label = name
 
         model_variants: dict[str, tuple[str, StageOutput, str | None]] = {"fp": (model.path, model, None)}
+        quantized = None
         if recipe.quantize is not None:
             quantized = quantize_stage(ctx, model, data)
             report.add_stage(quantized)
@@ -316,11 +362,16 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
             report.notes.append("rollout:\n\n" + "\n".join(f"    {line}" for line in rollout.lines))
 
         report.total_seconds = time.perf_counter() - started
+        nothing_new = _nothing_new(ctx, data, report)
+        if nothing_new:
+            report.notes.insert(0, nothing_new)
+            console.print(f"[green]✓ {nothing_new}[/]", highlight=False)
         markdown = report.to_markdown()
         mlflow.log_text(markdown, "pipeline_report.md")
         mlflow.log_metric("pipeline_seconds", report.total_seconds)
-        create_markdown_artifact(markdown=markdown, key=_artifact_key(recipe.name),
-                                 description=f"lifecycle results for {recipe.name}")
+        publish_artifacts(recipe.name, report, quantized_table(report), parent.info.run_id,
+                          workdir.tracking_uri(), rollout)
+        _remember_run(ctx, data, parent.info.run_id)
         return report.to_dict() | {"mlflow_run_id": parent.info.run_id,
                                    "tracking_uri": workdir.tracking_uri(),
                                    "rollout": None if rollout is None else {
@@ -329,6 +380,40 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
+
+def quantized_table(report: PipelineReport) -> str:
+    stage = next((s for s in report.stages if s.stage == "quantize"), None)
+    return stage.info.get("fidelity_table", "") if stage is not None else ""
+
+
+def _last_run_file(ctx: PipelineContext) -> Path:
+    return ctx.workdir.runs / ctx.recipe.name / "last_run.json"
+
+
+def _remember_run(ctx: PipelineContext, data: StageOutput, mlflow_run_id: str) -> None:
+    from prefect.runtime import flow_run
+
+    from artifacts.common.atomic import atomic_write_json
+
+    atomic_write_json(_last_run_file(ctx), {"data_key": data.key, "mlflow_run_id": mlflow_run_id,
+                                            "flow_run": flow_run.name or "", "finished_at": time.time()})
+
+
+def _nothing_new(ctx: PipelineContext, data: StageOutput, report: PipelineReport) -> str | None:
+    """When every stage came from cache: say since which run nothing changed, so a quiet night reads so."""
+    if not report.stages or not all(s.cached for s in report.stages):
+        return None
+    path = _last_run_file(ctx)
+    try:
+        last = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "nothing new: every stage came from the cache"
+    if last.get("data_key") != data.key:
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(last.get("finished_at", 0)))
+    return (f"no new data since run {last.get('flow_run') or last.get('mlflow_run_id')} ({when}, data "
+            f"{data.key[:8]}); nothing to do")
+
 
 def _lineage(ctx: PipelineContext, data: StageOutput, model_path: str, lineage_cls: Any) -> Any:
     base = ctx.outputs["base"]
@@ -403,8 +488,3 @@ def _asdict(config: Any) -> dict[str, Any]:
     from dataclasses import asdict, is_dataclass
 
     return asdict(config) if is_dataclass(config) else dict(config)
-
-
-def _artifact_key(name: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return "lifecycle-" + "".join(c if c.isalnum() else "-" for c in name.lower())

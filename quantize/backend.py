@@ -25,7 +25,7 @@ def prepare_env() -> None:
     """Environment gptqmodel reads at import time; call before anything imports it.
 
     On hosts with fewer than 4 cores gptqmodel's default CPU pool (1 worker) is smaller than a
-    virtual pool it asks for (2) and it aborts; 2 workers works (NOTES, "Quantization").
+    virtual pool it asks for (2) and it aborts; 2 workers works.
     """
     if (os.cpu_count() or 1) < 4:
         os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")

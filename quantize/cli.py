@@ -1,13 +1,14 @@
 """`lifecycle quantize ...`: run the quantize stage on a model dir and print the fidelity table.
 
-`register_cli(subparsers)` is wired into flows/cli.py by the lead; `python -m quantize.cli ...`
-runs the same command standalone (used to reproduce the fidelity table).
+`register_cli(subparsers)` adds the subcommand to `lifecycle` (flows/cli.py dispatches to the handler stored in
+`func`); `python -m quantize.cli ...` runs the same command standalone (used to reproduce the fidelity table).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 from quantize.config import QuantizeConfig
@@ -28,7 +29,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration-seq-len", type=int, default=defaults.calibration_seq_len)
     p.add_argument("--fidelity-samples", type=int, default=defaults.fidelity_samples)
     p.add_argument("--no-gate", action="store_true", help="do not fail when GPTQ does not beat RTN on KL")
-    p.set_defaults(handler=handle_quantize)
+    p.set_defaults(func=handle_quantize)
 
 
 def config_from_args(args: argparse.Namespace) -> QuantizeConfig:
@@ -62,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        return args.handler(args)
+        return args.func(args)
     except QuantizeError as err:
-        print(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
         return 2
 
 

@@ -19,7 +19,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import pytest
 import torch
 
-torch.set_num_threads(1)  # the machine is shared: one thread is faster and fairer (see NOTES)
+torch.set_num_threads(1)  # the tests share two cores with each other's servers: one thread each is fairer
 
 
 @pytest.fixture(scope="session")

@@ -316,21 +316,6 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def resolve_base_model(source: str, cache_root: Path | str | None = None,
-                       config: BaseModelConfig | None = None) -> Path:
-    """``"embedded"`` (or ``"embedded:<preset>"``) builds/reuses the embedded model; otherwise ``source``
-    must be a local Hugging Face causal-LM directory (nothing is downloaded)."""
-    if source == "embedded" or source.startswith("embedded:"):
-        if config is None:
-            preset = source.partition(":")[2] or "default"
-            try:
-                config = BaseModelConfig(preset=preset)
-            except ValueError as exc:
-                raise BaseModelError(f"base model {source!r}: {exc}") from None
-        return build_base_model(config, cache_root)
-    return validate_model_dir(Path(source))
-
-
 def validate_model_dir(path: Path) -> Path:
     """Check that ``path`` is a loadable causal-LM directory; BaseModelError says what is missing."""
     if not path.exists():

@@ -1,9 +1,9 @@
 """The synthetic pretraining corpus of the embedded base model.
 
 Why it contains chat text: LoRA adapters cannot teach embeddings of special tokens the base model never
-saw (see NOTES), so the corpus already holds task conversations rendered with the real chat template:
-``Answer: X`` replies, refusals for the harmful safety category and helpful replies for look-alikes. Plain
-sentences (task facts and simple English) give perplexity and quantization checks ordinary text too.
+saw (the embedding rows are not adapted), so the corpus already holds task conversations rendered with the
+real chat template: ``Answer: X`` replies, refusals for the harmful safety category and helpful replies for
+look-alikes. Plain sentences (task facts and simple English) give perplexity and quantization checks ordinary text too.
 Only the *train* split of every task and of the safety set goes in; held-out problems never do.
 """
 

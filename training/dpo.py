@@ -11,7 +11,7 @@ from typing import Any
 
 from training.lora import keep_adapters_fp32
 from training.stage_config import DPOStageConfig, StageResult, TrainingError
-from training.stages import EvalFn, StageContext, StageSpec, run_stage
+from training.stages import StageContext, StageSpec, run_stage
 
 _COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -46,7 +46,6 @@ DPO_SPEC = StageSpec(name="dpo", data_file="pref_train.jsonl", required_columns=
                      build_trainer=_build_trainer)
 
 
-def run_dpo(config: DPOStageConfig, model_dir: Path, data_dir: Path, output_dir: Path,
-            evaluate: EvalFn | None = None) -> StageResult:
+def run_dpo(config: DPOStageConfig, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:
     """DPO from `model_dir` (SFT's output; also the reference model) on `data_dir/pref_train.jsonl`."""
-    return run_stage(DPO_SPEC, config, model_dir, data_dir, output_dir, evaluate)
+    return run_stage(DPO_SPEC, config, model_dir, data_dir, output_dir)

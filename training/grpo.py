@@ -15,7 +15,7 @@ from typing import Any
 from training.lora import keep_adapters_fp32
 from training.rewards import build_reward_functions
 from training.stage_config import GRPOStageConfig, StageResult, TrainingError
-from training.stages import EvalFn, StageContext, StageSpec, run_stage
+from training.stages import StageContext, StageSpec, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,6 @@ GRPO_SPEC = StageSpec(name="grpo", data_file="grpo_train.jsonl", required_column
                       to_rows=_to_rows, build_trainer=_build_trainer, after_train=_after_train)
 
 
-def run_grpo(config: GRPOStageConfig, model_dir: Path, data_dir: Path, output_dir: Path,
-             evaluate: EvalFn | None = None) -> StageResult:
+def run_grpo(config: GRPOStageConfig, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:
     """GRPO from `model_dir` (DPO's output; also the KL reference) on `data_dir/grpo_train.jsonl`."""
-    return run_stage(GRPO_SPEC, config, model_dir, data_dir, output_dir, evaluate)
+    return run_stage(GRPO_SPEC, config, model_dir, data_dir, output_dir)

@@ -28,7 +28,7 @@ class Hardware:
 
 
 def detect_hardware() -> Hardware:
-    """CUDA if present (bf16 when the GPU supports it), else CPU in fp32 (bf16 on AVX2 CPUs is ~10× slower)."""
+    """CUDA if present (bf16 when the GPU supports it), else CPU in fp32 (CPUs without native bf16 emulate it)."""
     if torch.cuda.is_available():
         return Hardware(device="cuda", bf16=bool(torch.cuda.is_bf16_supported()))
     return Hardware(device="cpu", bf16=False)

@@ -1,4 +1,5 @@
-"""Load a user's own SFT / preference / GRPO data from local JSONL, JSON or Parquet files.
+"""Load a user's own SFT / preference / GRPO data from local JSONL, JSON or Parquet files, or from a
+directory of them that grows over time (every supported file in it, in name order).
 
 Why through `datasets`: it is what TRL consumes, it reads Parquet and JSON Lines alike, and its schema
 inference catches malformed files early. Every problem becomes a `DatasetError` naming the file and the
@@ -28,11 +29,33 @@ class DatasetError(LifecycleError):
     """A dataset file is missing, unreadable, or lacks a field its kind needs."""
 
 
+def dataset_files(path: str | Path) -> list[Path]:
+    """The files a dataset path stands for: itself, or a directory's supported files in name order.
+
+    Hidden files and ``*.tmp``/``*.part`` are skipped, so a file being copied in (write to a temporary name,
+    then rename) is never read half-written."""
+    path = Path(path)
+    if not path.is_dir():
+        return [path]
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in _BUILDERS
+                   and not p.name.startswith("."))
+    if not files:
+        raise DatasetError(f"{path}: no .jsonl, .json or .parquet files in this directory")
+    return files
+
+
 def load_local_dataset(path: str | Path, kind: str) -> list[dict[str, Any]]:
-    """Read ``path`` as a dataset of ``kind`` ("sft", "preference" or "grpo"), validated and normalized."""
+    """Read ``path`` (a file, or a directory of files) as a dataset of ``kind`` ("sft", "preference" or
+    "grpo"), validated and normalized; a bad file fails the whole load, naming that file."""
     if kind not in KINDS:
         raise ValueError(f"kind: must be one of {', '.join(KINDS)}, got {kind!r}")
-    path = Path(path)
+    records: list[dict[str, Any]] = []
+    for file in dataset_files(path):
+        records += _load_file(file, kind)
+    return records
+
+
+def _load_file(path: Path, kind: str) -> list[dict[str, Any]]:
     builder = _BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise DatasetError(f"{path}: unsupported file type {path.suffix or '(none)'!r} "

@@ -1,6 +1,6 @@
 """Config dataclasses of the post-training stages (SFT, DPO, GRPO) and the record each stage returns.
 
-The field names are the YAML keys of the recipe's `sft:`, `dpo:` and `grpo:` sections (the lead's loader maps
+The field names are the YAML keys of the recipe's `sft:`, `dpo:` and `grpo:` sections (the recipe loader maps
 them 1:1 and rejects unknown keys), so every default lives here and nowhere else. Values are checked in
 `__post_init__` with `ValueError("<field>: reason")`, which the loader turns into a `ConfigError` naming the file.
 """

@@ -35,7 +35,6 @@ from training.stage_config import StageResult
 
 log = logging.getLogger(__name__)
 
-EvalFn = Callable[[Path], dict[str, float]]
 RESULT_NAME = "stage_result.json"
 LOG_NAME = "train_log.json"
 
@@ -227,8 +226,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, output_dir: Path,
-              evaluate: EvalFn | None = None) -> StageResult:
+def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:
     """Run one post-training stage; see the module docstring for the order of events."""
     from training.lora import attach_adapters, load_base_model
     from training.merge import merge_adapter
@@ -268,8 +266,6 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     ctx = StageContext(config=config, hw=hw, model_dir=model_dir, output_dir=output_dir,
                        checkpoints_dir=checkpoints_dir, tokenizer=tokenizer, model=model,
                        dataset=Dataset.from_list(rows), args=_common_args(config, hw, checkpoints_dir))
-    before = {f"before/{k}": float(v) for k, v in (evaluate(model_dir) if evaluate else {}).items()}
-
     trainer = spec.build_trainer(ctx)
     resumed_from_step = 0
     if resume_from is not None:
@@ -296,9 +292,6 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
         metrics["longest_example_tokens"] = float(lengths.longest)
     if spec.after_train is not None:
         metrics.update(spec.after_train(ctx, history))
-    metrics.update(before)
-    if evaluate:
-        metrics.update({f"after/{k}": float(v) for k, v in evaluate(output_dir).items()})
 
     result = StageResult(stage=spec.name, output_dir=output_dir, adapter_dir=adapter_dir, metrics=metrics,
                          log_history=history, resumed_from_step=resumed_from_step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from evals.suite_names import SUITE_NAMES, suite_names
 from evals.suites import format_adherence, perplexity, preference, safety, sampled_task_accuracy, task_accuracy
 from evals.suites.base import Suite
 
@@ -11,9 +12,8 @@ SUITES: dict[str, Suite] = {
               perplexity.SUITE, preference.SUITE)
 }
 
-
-def suite_names() -> list[str]:
-    return list(SUITES)
+if tuple(SUITES) != SUITE_NAMES:  # the light name list (read without torch) must match the registry
+    raise RuntimeError(f"evals.suite_names.SUITE_NAMES {SUITE_NAMES} != registered suites {tuple(SUITES)}")
 
 
 __all__ = ["SUITES", "Suite", "suite_names"]

@@ -1,9 +1,10 @@
-"""Continuous-batching inference engine with a paged KV cache (see DESIGN.md, "The engine").
+"""Continuous-batching inference engine with a paged KV cache.
 
 Importing this package before torch makes OpenMP worker threads wait passively: with the default
-(spinning) policy, two torch threads on a shared 2-core host made each small parallel kernel (the
-decode attention) take ~10 ms instead of ~0.03 ms. It only takes effect if torch is not loaded yet;
-set ``OMP_WAIT_POLICY=PASSIVE`` in the environment to be sure.
+(spinning) policy, torch threads on a shared host spin against the neighbours' work and each small
+parallel kernel (the decode attention) slows down by orders of magnitude (``benchmarks/RESULTS.md``,
+"Threads"). It only takes effect if torch is not loaded yet; set ``OMP_WAIT_POLICY=PASSIVE`` in the
+environment to be sure.
 """
 
 import os

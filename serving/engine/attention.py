@@ -5,14 +5,12 @@ first, then the prefill chunks, with ``position_ids`` giving each token's positi
 sequence. For every layer this function
 1. scatters the new K/V into the preallocated cache with one ``index_copy_`` over the slot mapping;
 2. runs the decode queries: with ``cpu_kernels.paged_decode`` (C++, fp32 CPU) in one call that reads
-   every sequence's K/V straight from its blocks (whole decode step at B=64, contexts 32-512: 42.8 ->
-   30.3 ms, ``benchmarks/decode_step.py``); otherwise in a few SDPA calls, one per group of decodes
-   with similar context length
-   (``bucket_by_length``), each over its sequences' K/V gathered into a padded tensor (whole-block
-   ``index_select`` by block table, a key-padding mask), grouping query heads per KV head for GQA.
-   One padded call over all decodes gathered ~1/3 padding at the benchmark's mix of lengths and was
-   measured 2.5x slower (gather + SDPA only, B=64, benchmark-like contexts 40-380, 8 layers, 1 thread:
-   54-56 ms vs 20-22 ms per step with groups; whole decode step in the engine 54.5 -> 38.8 ms);
+   every sequence's K/V straight from its blocks, with no padded copy; otherwise in a few SDPA calls, one
+   per group of decodes with similar context length (``bucket_by_length``), each over its sequences' K/V
+   gathered into a padded tensor (whole-block ``index_select`` by block table, a key-padding mask),
+   grouping query heads per KV head for GQA. One padded call over all decodes would pad every sequence
+   to the longest (about a third padding at the benchmark's mix of lengths) and was measured slower than
+   the groups (``benchmarks/RESULTS.md``, Run 5 and run 7);
 3. runs each prefill chunk with SDPA: causal over its own K/V when nothing is cached before it,
    else over its gathered context with an offset-causal mask.
 All index tensors are built once per step (``AttentionMetadata``) and shared by every layer.

@@ -70,13 +70,13 @@ class BlockManager:
         return hits
 
     # ----------------------------------------------------------------- allocation
-    def can_admit(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
+    def can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``seq`` (no blocks yet) can start with ``num_new_tokens`` beyond its cached prefix."""
         hits = self._lookup_prefix(seq)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
         computed = len(hits) * self.block_size
         need = self.blocks_for(computed + num_new_tokens) - len(hits)
-        return need + revived + reserve <= len(self.free)
+        return need + revived <= len(self.free)
 
     def admit(self, seq: Sequence) -> int:
         """Attach the cached prefix blocks to ``seq``; returns the number of tokens already computed."""
@@ -144,9 +144,3 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
-
-    def reset_prefix_cache(self) -> None:
-        """Forget all cached hashes (blocks in use stay allocated)."""
-        self.hash_to_block.clear()
-        self.block_hash = [None] * self.num_blocks
-        self.block_tokens = [None] * self.num_blocks

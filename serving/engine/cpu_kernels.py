@@ -7,13 +7,13 @@ again. This kernel reads each sequence's K and V once, block by block through it
 it scores every query head against the cached keys of its KV head (all KV heads of a block while the block
 is in L1), takes the softmax (max-subtracted, a Cephes-style ``exp``), and sums the values. The common
 shapes (query heads per KV head 4 or 8, head_dim 16/64/128) use 16-lane GCC vector extensions; others a
-plain loop. Contiguous caches ``[num_blocks, block_size, kv_heads, head_dim]``. Measured (1 thread, B=64,
-contexts 32-512, 8 layers, attention only): torch path 22-24 ms, kernel 7.7-8.3 ms; see
-``benchmarks/decode_step.py`` for the whole step.
+plain loop. Contiguous caches ``[num_blocks, block_size, kv_heads, head_dim]``.
 
 ``add_rms_norm``: ``h += delta`` (the residual add, in place) and ``out = rms_norm(h) * weight`` in one pass.
-``F.rms_norm`` on CPU runs as several ops; per call (hidden 512, 1 thread): 1 row 8 -> 1 us, 64 rows 36-60 ->
-5 us, 512 rows 490 -> 40 us.
+``F.rms_norm`` on CPU runs as several ops.
+
+The measurements (attention alone, RMSNorm and rotary per call, the whole decode step) are in
+``benchmarks/RESULTS.md``, "Serving, run 7"; ``benchmarks/decode_step.py`` reproduces the step timings.
 
 Both split rows (sequences) over threads with ``at::parallel_for``. They are built with
 ``torch.utils.cpp_extension.load_inline`` (cached under ``~/.cache/torch_extensions``, about 30 s the first
@@ -146,9 +146,8 @@ inline v16 hsum4(v16 a, v16 b, v16 c, v16 d) {
 
 // One sequence, all KV heads: q [KVH * G, D] -> out [KVH * G, D], for G % 4 == 0 and D % 16 == 0. Each
 // block (block_size rows of KVH * D floats, contiguous) is read once per pass while it sits in L1, and the
-// next block's K (and this block's V, toward L2 for the second pass) is prefetched a row per row used:
-// kernel alone, 8 layers, B=64, contexts 32-512, 1 thread: one KV head at a time with a whole next block
-// prefetched 9.4 ms, all heads + spread prefetch 8.8 ms, + V toward L2 8.3 ms (no prefetch: 15 ms).
+// next block's K (and this block's V, toward L2 for the second pass) is prefetched a row per row used
+// (each step of that layout measured faster than the one before: benchmarks/RESULTS.md, "Serving, run 7").
 // s holds KVH * G rows of lp = len rounded up to 16 scores.
 template <int64_t G, int64_t D>
 void attend16(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t len,

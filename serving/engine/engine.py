@@ -65,7 +65,7 @@ class LLMEngine:
         capacity = runner.num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or runner.max_position, runner.max_position, capacity)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed=config.seed)
         self.seqs: dict[str, Sequence] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self._lock = threading.Lock()
@@ -172,7 +172,6 @@ class LLMEngine:
             seq = self.seqs.get(rid)
             if seq is None:
                 continue
-            seq.cancelled = True
             seq.finish_reason = "abort"
             outs.append(self._finish(seq))
         return outs

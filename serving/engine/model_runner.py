@@ -120,11 +120,6 @@ class ModelRunner:
                                  f"(one block needs {per_block})")
         return int(n)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        elem = self.k_caches[0].element_size()
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * elem
-
     # ----------------------------------------------------------------- batch preparation
     def _prepare(self, scheduled: list[ScheduledSeq]):
         """Flattened ids/positions/slots plus attention metadata; decodes must come first."""

@@ -2,6 +2,9 @@
 
 Work is done on whole [B, V] tensors; Python loops run only over rows that need something unusual
 (penalties, a per-request seed). When every row is plain greedy the cost is one argmax.
+Requests without a seed of their own draw from the sampler's generator, seeded from ``EngineConfig.seed``:
+two engines with the same seed and the same request stream sample the same tokens, and torch's global
+RNG is never touched (a training loop or another engine in the process cannot shift our draws).
 Logprobs are those of the model's raw distribution (before temperature and penalties), as vLLM reports.
 """
 
@@ -78,6 +81,16 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 
 class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # one stream per device, seeded alike
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         want_lp = [s.params.logprobs for s in seqs]
         raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in want_lp) else None
@@ -114,7 +127,7 @@ class Sampler:
         probs = scaled.softmax(-1)
         # Gumbel-style sampling: argmax(p / E) with E ~ Exp(1) draws from p; per-row noise lets seeded
         # rows use their own generator, so a seeded request is reproducible whatever its batch.
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(dev))
         for i, s in enumerate(seqs):
             if s.params.seed is not None and not greedy[i]:
                 if s.generator is None:

@@ -37,12 +37,10 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    cancelled: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
-    last_token_time: float | None = None
     # logprob records: one dict {token_id: logprob} per output token (sampled token first)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # prompt_logprobs[i] is the record for prompt token i (None for the first one)
@@ -71,16 +69,6 @@ class Sequence:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
-
-    @property
     def is_prefill(self) -> bool:
         """True while more than one token remains to be computed (the prompt, or after preemption)."""
         return self.num_tokens - self.num_computed_tokens > 1
-
-    @property
-    def max_total_tokens(self) -> int:
-        """Prompt plus the largest output the request may produce: what admission reserves."""
-        mt = self.params.max_tokens or 0
-        return self.num_prompt_tokens + mt

@@ -1,4 +1,4 @@
-"""`lifecycle eval` through the evals CLI entry point (same handler the lead's CLI dispatches to)."""
+"""`lifecycle eval` through the evals CLI entry point (the same handler `lifecycle eval` dispatches to)."""
 
 from __future__ import annotations
 

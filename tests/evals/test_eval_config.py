@@ -35,3 +35,11 @@ def test_unknown_suite_is_named_with_the_known_ones():
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         EvalConfig(**kwargs)
+
+
+def test_the_light_name_list_matches_the_suite_registry():
+    # EvalConfig validates against evals.suite_names (no torch); the registry must hold exactly those suites.
+    from evals.suite_names import SUITE_NAMES
+    from evals.suites import SUITES
+
+    assert tuple(SUITES) == SUITE_NAMES

@@ -21,9 +21,9 @@ def test_flags_map_to_config(tmp_path):
 def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert main(["quantize", "--model", str(tmp_path), "--data", str(tmp_path), "--out", str(tmp_path / "o"),
                  "--bits", "5"]) == 2
-    assert capsys.readouterr().out.startswith("error: quantize options: bits:")
+    assert capsys.readouterr().err.startswith("error: quantize options: bits:")
     assert main(["quantize", "--model", str(tmp_path), "--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
-    assert "config.json: not found" in capsys.readouterr().out
+    assert "config.json: not found" in capsys.readouterr().err
 
 
 def test_help_lists_options(capsys):

@@ -131,3 +131,27 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir, p
     others = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     batched = engine.generate(prompts[:4], [others, others, sp, others])[2].token_ids
     assert alone == batched
+
+
+def test_engine_seed_drives_unseeded_sampling_and_leaves_the_global_rng_alone(tiny_model_dir, prompts):
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def run(engine_seed: int, global_seed: int) -> list[list[int]]:
+        engine = LLMEngine.from_pretrained(tiny_model_dir, EngineConfig(num_blocks=128, block_size=4,
+                                                                       seed=engine_seed))
+        torch.manual_seed(global_seed)
+        state = torch.get_rng_state()
+        outs = [o.token_ids for o in engine.generate(prompts[:4], unseeded)]
+        outs += [o.token_ids for o in engine.generate(prompts[4:6], unseeded)]  # the stream goes on
+        assert torch.equal(torch.get_rng_state(), state)
+        return outs
+
+    first = run(7, global_seed=1)
+    assert run(7, global_seed=2) == first  # same engine seed, same request stream: same tokens
+    assert run(8, global_seed=1) != first
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 64, 1.5, True, "0"])
+def test_engine_seed_must_be_a_64_bit_unsigned_integer(seed):
+    with pytest.raises(ValueError, match="^seed:"):
+        EngineConfig(seed=seed)

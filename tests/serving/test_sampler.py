@@ -117,3 +117,19 @@ def test_logprobs_are_raw_log_softmax_with_sampled_token_first():
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_unseeded_rows_draw_from_the_samplers_seed_not_the_global_rng():
+    logits = torch.randn(64, V)
+    seqs = [seq(temperature=1.0) for _ in range(64)]
+
+    def draws(sampler_seed: int, global_seed: int) -> list[list[int]]:
+        torch.manual_seed(global_seed)
+        state = torch.get_rng_state()
+        sampler = Sampler(seed=sampler_seed)
+        out = [sampler(logits, seqs).token_ids for _ in range(3)]
+        assert torch.equal(torch.get_rng_state(), state)  # the global RNG was not used
+        return out
+
+    assert draws(5, global_seed=1) == draws(5, global_seed=2)
+    assert draws(5, global_seed=1) != draws(6, global_seed=1)

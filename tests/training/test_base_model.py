@@ -14,8 +14,8 @@ from training.base_model import (
     PRETRAIN_LOG,
     BaseModelConfig,
     BaseModelError,
+    build_base_model,
     ensure_base_model,
-    resolve_base_model,
     validate_model_dir,
 )
 from training.tokenizer import END, EOS, render_chat
@@ -82,19 +82,17 @@ def test_bad_config_names_the_field(kwargs: dict, field: str) -> None:
         BaseModelConfig(**kwargs)
 
 
-def test_resolve_accepts_a_local_hf_dir(micro_base_dir: Path) -> None:
-    assert resolve_base_model(str(micro_base_dir)) == micro_base_dir
+def test_validate_accepts_a_local_hf_dir(micro_base_dir: Path) -> None:
+    assert validate_model_dir(micro_base_dir) == micro_base_dir
 
 
-def test_resolve_embedded_micro_uses_the_cache(micro_base_dir: Path, base_model_cache: Path) -> None:
-    assert resolve_base_model("embedded:micro", base_model_cache) == micro_base_dir
+def test_building_the_micro_preset_again_uses_the_cache(micro_base_dir: Path, base_model_cache: Path) -> None:
+    assert build_base_model(BaseModelConfig(preset="micro"), base_model_cache) == micro_base_dir
 
 
-def test_resolve_errors_name_path_and_what_is_missing(tmp_path: Path, micro_base_dir: Path) -> None:
+def test_validate_errors_name_path_and_what_is_missing(tmp_path: Path, micro_base_dir: Path) -> None:
     with pytest.raises(BaseModelError, match="no such directory"):
-        resolve_base_model(str(tmp_path / "nope"))
-    with pytest.raises(BaseModelError, match="unknown preset"):
-        resolve_base_model("embedded:huge", tmp_path)
+        validate_model_dir(tmp_path / "nope")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(BaseModelError, match=f"{empty}.*config.json"):

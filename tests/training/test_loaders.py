@@ -79,3 +79,20 @@ def test_bad_records_name_the_row_and_field(tmp_path: Path) -> None:
 def test_unknown_kind_is_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="^kind:"):
         load_local_dataset(tmp_path / "x.jsonl", "rlhf")
+
+
+def test_a_directory_is_every_supported_file_in_it_in_name_order(tmp_path: Path) -> None:
+    other = {"messages": [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "hey"}]}
+    _jsonl(tmp_path / "b.jsonl", [other])
+    _jsonl(tmp_path / "a.jsonl", [SFT_ROW])
+    (tmp_path / "c.jsonl.tmp").write_text("{half a reco")  # being copied in: skipped
+    (tmp_path / ".hidden.jsonl").write_text("{nope")
+    (tmp_path / "notes.txt").write_text("ignored")
+    assert load_local_dataset(tmp_path, "sft") == [SFT_ROW, other]
+    _jsonl(tmp_path / "z.jsonl", [{"messages": [{"role": "user", "content": "no reply"}]}])
+    with pytest.raises(DatasetError, match=r"z\.jsonl: record 0 field 'messages'"):
+        load_local_dataset(tmp_path, "sft")  # a bad new file fails the load, naming the file and the field
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DatasetError, match="no .jsonl, .json or .parquet files"):
+        load_local_dataset(empty, "sft")

@@ -99,3 +99,23 @@ def test_build_reward_functions_drops_zero_weights():
     assert weights == [1.0, 0.3, 0.7, 0.5, 1.0]
     with pytest.raises(ValueError, match="at least one reward"):
         build_reward_functions(0.0, 0.0, 0.0, 8, EOS)
+
+
+# Replies the two former matchers (training's int()/exact-string one, the eval's float() one) scored
+# differently; one reply contract (evals.scoring) now gives the GRPO reward and the eval the same verdict.
+DISPUTED = [
+    ("Answer: 1,234", "1234", True),
+    ("Answer: 85.0", "85", True),
+    ("Answer: 042", "42", True),
+    ("Answer: eighty-five", "85", False),
+]
+
+
+@pytest.mark.parametrize("task", ["addition", "long_addition", "reverse"])
+@pytest.mark.parametrize(("reply", "reference", "expected"), DISPUTED)
+def test_grpo_reward_and_eval_agree_on_replies_the_old_matchers_split(reply, reference, expected, task):
+    from evals.scoring import is_correct
+
+    reward = correctness_reward([chat(reply)], answer=[reference], task=[task])
+    assert reward == [1.0 if expected else 0.0]
+    assert is_correct(reply, reference) is expected

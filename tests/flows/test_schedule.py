@@ -1,0 +1,211 @@
+"""The lifecycle on a schedule, unattended, with real parts: a Prefect server and a process worker started
+here on 127.0.0.1, a deployment of the smoke recipe firing every few seconds, a growing data directory, a
+real MLflow store, and the Prefect UI in a real browser."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from tests.browser import chromium_path, headless_page, page_text, save_screenshot, squash_whitespace
+
+REPO = Path(__file__).resolve().parents[2]
+LIFECYCLE = [sys.executable, "-m", "flows.cli"]
+NAME = "sched-e2e"
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _chat(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"Say the number {i}."},
+                         {"role": "assistant", "content": f"The number is {i}."}]}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")  # the way data should land in a watched directory: write, then rename
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.rename(path)
+
+
+class Proc:
+    def __init__(self, args: list[str], env: dict, log: Path) -> None:
+        self.log = log
+        self.handle = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=self.handle, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.handle.close()
+
+
+def _runs(api: str, deployment_id: str) -> list[dict]:
+    response = httpx.post(f"{api}/flow_runs/filter", timeout=30, json={
+        "deployments": {"id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
+    response.raise_for_status()
+    return response.json()
+
+
+def _wait_runs(api: str, deployment_id: str, done: int, timeout: float, log: Path) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        final = [r for r in _runs(api, deployment_id) if r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
+        assert not [r for r in final if r["state_type"] != "COMPLETED"], (final, log.read_text()[-4000:])
+        if len(final) >= done:
+            return final
+        time.sleep(2)
+    raise AssertionError(f"fewer than {done} finished runs after {timeout:.0f} s:\n" + log.read_text()[-4000:])
+
+
+def _stages_of(client: MlflowClient, experiment_id: str) -> dict[str, set[str]]:
+    """Per pipeline run (MLflow run id): the stages that ran (cached stages open no MLflow run)."""
+    runs = client.search_runs([experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("lifecycle.kind") == "pipeline"]
+    return {p.info.run_id: {r.data.tags.get("lifecycle.stage") for r in runs
+                            if r.data.tags.get("mlflow.parentRunId") == p.info.run_id} for p in parents}
+
+
+def test_a_deployment_fires_by_itself_caches_picks_up_new_data_and_never_overlaps(tmp_path):
+    home, data_dir = tmp_path / "home", tmp_path / "incoming"
+    data_dir.mkdir()
+    _write_jsonl(data_dir / "day1.jsonl", [_chat(i) for i in range(24)])
+    recipe = yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text())
+    recipe.update(name=NAME, workdir=str(home))
+    recipe["data"]["sft_path"] = str(data_dir)
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING"))}
+    env |= {"LIFECYCLE_HOME": str(home), "PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
+    server = Proc([*LIFECYCLE, "server", "--port", str(port)], env, tmp_path / "server.log")
+    worker = None
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(1)
+        client_env = env | {"PREFECT_API_URL": api}
+        scheduled = subprocess.run([*LIFECYCLE, "schedule", str(recipe_path), "--interval", "5s", "--name", NAME],
+                                   env=client_env, cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert scheduled.returncode == 0, scheduled.stderr[-3000:]
+        assert f"scheduled lifecycle/{NAME} (every 5s)" in scheduled.stdout
+        deployment = httpx.get(f"{api}/deployments/name/lifecycle/{NAME}", timeout=30).json()
+        worker = Proc([*LIFECYCLE, "worker", "--poll-seconds", "2"], client_env, tmp_path / "worker.log")
+
+        # 1. two runs fire by themselves; the second finds nothing new
+        final = _wait_runs(api, deployment["id"], 2, 900, tmp_path / "worker.log")
+        mlflow = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+        experiment = mlflow.get_experiment_by_name(NAME)
+        stages = _stages_of(mlflow, experiment.experiment_id)
+        ran = sorted(stages.values(), key=len, reverse=True)
+        assert {"base", "data", "sft", "release-gptq"} <= ran[0] and ran[1] == set()  # run 2: all from cache
+        reports = [mlflow.download_artifacts(run_id, "pipeline_report.md", str(tmp_path / run_id))
+                   for run_id, st in stages.items() if not st]
+        assert "no new data since run" in Path(reports[0]).read_text()
+        assert final[0]["name"].startswith(f"{NAME}-data-")  # run names say recipe and data version
+        assert mlflow.get_model_version_by_alias(NAME, "champion")  # rollout: auto made the first champion
+
+        # 2. a new file in the data directory: the next run re-runs from the data stage on, not the base
+        before = set(stages)
+        _write_jsonl(data_dir / "day2.jsonl", [_chat(i) for i in range(100, 124)])
+        added_at = time.time()
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            stages = _stages_of(mlflow, experiment.experiment_id)
+            fresh = {k: v for k, v in stages.items() if k not in before and v}
+            if fresh:
+                break
+            _wait_runs(api, deployment["id"], 1, 60, tmp_path / "worker.log")
+            time.sleep(2)
+        (new_run,) = fresh.values()
+        assert "data" in new_run and "sft" in new_run and "base" not in new_run
+        assert new_run >= {"eval-base", "dpo", "grpo", "quantize", "bundle-gptq", "release-gptq"}
+        rollouts = mlflow.get_experiment_by_name("rollouts")
+        versions = {r.data.tags.get("rollout.candidate")
+                    for r in mlflow.search_runs([rollouts.experiment_id]) if r.info.start_time > added_at * 1000}
+        assert versions, "the new candidate was not rolled out"
+
+        # 3. runs of one deployment never overlap (one at a time; a run due meanwhile is cancelled)
+        runs = [r for r in _runs(api, deployment["id"]) if r["start_time"] and r["end_time"]]
+        runs.sort(key=lambda r: r["start_time"])
+        for earlier, later in zip(runs, runs[1:]):
+            assert later["start_time"] >= earlier["end_time"], (earlier["name"], later["name"])
+
+        # 4. pause works; a run of the deployment whose candidate fails its gates is not rolled out
+        assert subprocess.run([*LIFECYCLE, "schedule", "pause", NAME], env=client_env, cwd=REPO,
+                              timeout=120).returncode == 0
+        listed = json.loads(subprocess.run([*LIFECYCLE, "schedule", "list", "--json"], env=client_env, cwd=REPO,
+                                           capture_output=True, text=True, timeout=120).stdout)
+        assert [(d["name"], d["paused"]) for d in listed] == [(NAME, True)]
+        time.sleep(8)  # let a run in progress finish
+        _wait_idle(api, deployment["id"])
+        failing = dict(recipe, gates=["task_accuracy >= 2.0"])
+        failing_path = tmp_path / "failing.yaml"
+        failing_path.write_text(yaml.safe_dump(failing, sort_keys=False))
+        champion_before = mlflow.get_model_version_by_alias(NAME, "champion").version
+        n_rollouts = len(mlflow.search_runs([rollouts.experiment_id]))
+        created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", timeout=30,
+                             json={"parameters": {"recipe_path": str(failing_path)}}).json()
+        deadline = time.monotonic() + 600
+        while httpx.get(f"{api}/flow_runs/{created['id']}", timeout=30).json()["state_type"] not in (
+                "COMPLETED", "FAILED", "CRASHED"):
+            assert time.monotonic() < deadline
+            time.sleep(2)
+        assert httpx.get(f"{api}/flow_runs/{created['id']}", timeout=30).json()["state_type"] == "COMPLETED"
+        assert len(mlflow.search_runs([rollouts.experiment_id])) == n_rollouts  # no rollout started
+        assert mlflow.get_model_version_by_alias(NAME, "champion").version == champion_before
+
+        # 5. the Prefect UI shows the deployment, its schedule, and a run's artifacts
+        if chromium_path() is not None and importlib.util.find_spec("playwright") is not None:
+            ui = f"http://127.0.0.1:{port}"
+            with headless_page() as page:
+                text = squash_whitespace(page_text(page, f"{ui}/deployments/deployment/{deployment['id']}", NAME))
+                assert "Every 5 seconds" in text or "every 5 seconds" in text.lower()
+                save_screenshot(page, tmp_path / "prefect-deployment.png")
+                run_id = final[0]["id"]
+                text = squash_whitespace(page_text(page, f"{ui}/runs/flow-run/{run_id}?tab=Artifacts",
+                                                   f"lifecycle-{NAME}-evals"))
+                assert f"lifecycle-{NAME}-mlflow" in text and f"lifecycle-{NAME}-fidelity" in text
+                save_screenshot(page, tmp_path / "prefect-run-artifacts.png")
+                print(f"screenshots in {tmp_path}")
+    finally:
+        if worker is not None:
+            worker.stop()
+        server.stop()
+
+
+def _wait_idle(api: str, deployment_id: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while any(r["state_type"] in ("RUNNING", "PENDING") for r in _runs(api, deployment_id)):
+        assert time.monotonic() < deadline
+        time.sleep(2)
