@@ -65,6 +65,10 @@ def _server(args: argparse.Namespace) -> int:
     prepare_environment(workdir)
     env = os.environ | {
         "PREFECT_UI_ENABLED": "true",
+        # the UI's browser code calls this address: the port we serve on, not Prefect's default 4200
+        "PREFECT_UI_API_URL": f"http://{args.host}:{args.port}/api",
+        "PREFECT_SERVER_API_HOST": args.host,
+        "PREFECT_SERVER_API_PORT": str(args.port),
         # its own database: `lifecycle run`'s ephemeral server keeps using the default one
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{workdir.prefect_home / 'server.db'}",
         "PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS": os.environ.get("PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS",

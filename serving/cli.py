@@ -31,24 +31,49 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _MULT[(m.group(2) or "").lower()])
 
 
+def format_size(n: int) -> str:
+    """Bytes in the largest binary unit that divides them: 268435456 → '256MiB' (parse_size reads it back)."""
+    for unit, mult in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+def engine_config_defaults():
+    """``EngineConfig()`` and its dtypes: the flag defaults have one source, as `lifecycle eval`'s come from
+    EvalConfig (``serving.engine.config`` imports no torch, so `--help` stays fast)."""
+    from serving.engine.config import _DTYPES, EngineConfig
+
+    return EngineConfig(), _DTYPES
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    d, dtypes = engine_config_defaults()
     p.add_argument("model", help="HF model directory or a bundle directory (verified first)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: dir name)")
-    p.add_argument("--kv-memory", default="256MiB", help="KV-cache memory budget, e.g. 512MiB")
-    p.add_argument("--num-blocks", type=int, default=None, help="exact number of KV blocks (overrides --kv-memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get HTTP 429")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight work")
+    p.add_argument("--kv-memory", default=format_size(d.kv_memory_bytes),
+                   help="KV-cache memory budget, e.g. 512MiB (default: %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks,
+                   help="exact number of KV blocks (overrides --kv-memory)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="sequences in the running batch at most (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one engine step (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="waiting requests beyond this get HTTP 429 (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="context length (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", default=not d.enable_prefix_caching)
+    p.add_argument("--no-chunked-prefill", action="store_true", default=not d.enable_chunked_prefill)
+    p.add_argument("--dtype", default=d.dtype, choices=list(dtypes))
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default: torch's choice)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets in-flight requests run; then they are ended and the process exits "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="info")
 
 

@@ -2,7 +2,8 @@
 
 The event loop never blocks on the model: handlers call ``add`` (validation + inbox, cheap) and await
 their queue; the engine thread steps while work exists and delivers each step's outputs with one
-``call_soon_threadsafe``. Draining stops admission (503) and lets in-flight requests finish.
+``call_soon_threadsafe``. Draining stops admission (503) and lets in-flight requests finish; ``abort_all``
+ends those still running when the drain timeout runs out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; requests in flight get a 500 and /health turns 503."""
+
+
+class RequestAbortedError(RuntimeError):
+    """Put in a request's queue when the server ends it (the drain timeout ran out): the handler finishes
+    the answer at once (a stream with finish_reason "abort", a non-streaming request with a 503)."""
 
 
 class AsyncEngine:
@@ -81,6 +87,20 @@ class AsyncEngine:
         if self._queues.pop(request_id, None) is not None:
             self.engine.abort(request_id)
             self._wake.set()
+
+    def abort_all(self, reason: str) -> int:
+        """End every request in flight: each handler gets ``RequestAbortedError`` and the engine frees the
+        blocks. Event-loop side; from another thread use ``abort_all_threadsafe``."""
+        queues, self._queues = self._queues, {}
+        for request_id, q in queues.items():
+            q.put_nowait(RequestAbortedError(reason))
+            self.engine.abort(request_id)
+        self._wake.set()
+        return len(queues)
+
+    def abort_all_threadsafe(self, reason: str) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.abort_all, reason)
 
     # ----------------------------------------------------------------- engine thread
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -10,10 +10,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Histogram
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from serving.engine import LLMEngine, RequestOutput
+
+# No `<name>_created` series (a timestamp gauge per counter and histogram): vLLM turns them off too, and
+# with them each family shows up twice in a scrape. A process-wide switch in prometheus_client.
+prometheus_client.disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
@@ -62,7 +67,6 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", lab,
                              buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        from prometheus_client import Counter
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
         self.rejected = Counter("vllm:request_rejected", "Requests refused (queue full or draining).",

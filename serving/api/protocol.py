@@ -34,17 +34,17 @@ class _Sampling(BaseModel):
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = None
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_COUNT)
-    min_p: float | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     # vLLM's range: a signed 64-bit integer; choice i of n samples with seed + i, which must fit too
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     min_tokens: TokenCount = 0
@@ -105,6 +105,91 @@ class ChatCompletionRequest(_Sampling):
         return self
 
 
+# ----------------------------------------------------------------------------- responses
+# What the handlers answer, as models: they are published in the OpenAPI document (client generators and
+# the fuzz test read them); the handlers build plain dicts on the hot path.
+FinishReason = Literal["stop", "length", "abort", "error"]
+ErrorType = Literal["invalid_request_error", "not_found_error", "rate_limit_error", "server_error",
+                    "service_unavailable"]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: ErrorType
+    param: str | None = Field(None, description="the request field at fault, dotted (`messages.0.content`)")
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: every 4xx and 5xx answer has this body."""
+
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: int | str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -134,6 +219,3 @@ def find_lone_surrogate(value: Any, path: str = "") -> str | None:
                 return found
     return None
 
-
-ErrorType = Literal["invalid_request_error", "not_found_error", "rate_limit_error", "server_error",
-                    "service_unavailable"]

@@ -83,7 +83,7 @@ def _wait_runs(api: str, deployment_id: str, done: int, timeout: float, log: Pat
 def _stages_of(client: MlflowClient, experiment_id: str) -> dict[str, set[str]]:
     """Per pipeline run (MLflow run id): the stages that ran (cached stages open no MLflow run)."""
     runs = client.search_runs([experiment_id], max_results=1000)
-    parents = [r for r in runs if r.data.tags.get("lifecycle.kind") == "pipeline"]
+    parents = [r for r in runs if r.data.tags.get("lifecycle.kind") == "pipeline" and r.info.status == "FINISHED"]
     return {p.info.run_id: {r.data.tags.get("lifecycle.stage") for r in runs
                             if r.data.tags.get("mlflow.parentRunId") == p.info.run_id} for p in parents}
 
@@ -156,7 +156,9 @@ def test_a_deployment_fires_by_itself_caches_picks_up_new_data_and_never_overlap
         assert versions, "the new candidate was not rolled out"
 
         # 3. runs of one deployment never overlap (one at a time; a run due meanwhile is cancelled)
-        runs = [r for r in _runs(api, deployment["id"]) if r["start_time"] and r["end_time"]]
+        every = _runs(api, deployment["id"])
+        assert any(r["state_type"] == "CANCELLED" for r in every)  # runs due meanwhile were turned away
+        runs = [r for r in every if r["state_type"] in ("COMPLETED", "FAILED", "CRASHED")]
         runs.sort(key=lambda r: r["start_time"])
         for earlier, later in zip(runs, runs[1:]):
             assert later["start_time"] >= earlier["end_time"], (earlier["name"], later["name"])
@@ -193,9 +195,12 @@ def test_a_deployment_fires_by_itself_caches_picks_up_new_data_and_never_overlap
                 assert "Every 5 seconds" in text or "every 5 seconds" in text.lower()
                 save_screenshot(page, tmp_path / "prefect-deployment.png")
                 run_id = final[0]["id"]
-                text = squash_whitespace(page_text(page, f"{ui}/runs/flow-run/{run_id}?tab=Artifacts",
-                                                   f"lifecycle-{NAME}-evals"))
+                page_text(page, f"{ui}/runs/flow-run/{run_id}", "Artifacts")
+                page.get_by_text("Artifacts", exact=True).first.click()  # the run page's Artifacts tab
+                page.wait_for_function("t => document.body.innerText.includes(t)", arg=f"lifecycle-{NAME}-evals")
+                text = squash_whitespace(page.inner_text("body"))
                 assert f"lifecycle-{NAME}-mlflow" in text and f"lifecycle-{NAME}-fidelity" in text
+                assert "eval suites, every model" in text
                 save_screenshot(page, tmp_path / "prefect-run-artifacts.png")
                 print(f"screenshots in {tmp_path}")
     finally:

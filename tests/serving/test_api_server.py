@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import socket
 import threading
@@ -301,3 +302,100 @@ def test_non_streaming_client_disconnect_cancels(server):
         time.sleep(0.1)
     assert aborted(base) - before >= 1  # cancelled, not run to completion
     assert json.loads(httpx.get(f"{base}/health").text)["status"] == "ok"
+
+
+@pytest.mark.parametrize("top", [21, 100])
+def test_chat_top_logprobs_out_of_range_is_refused_naming_top_logprobs(server, top):
+    base, _ = server
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                        "logprobs": True, "top_logprobs": top})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "top_logprobs" and err["message"].startswith("top_logprobs:"), err
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def server_log(*names: str):
+    """What the server logs under ``names`` (uvicorn's error logger does not propagate to the root)."""
+    handler = _Records()
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    try:
+        yield handler.records
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+
+def test_non_streaming_disconnect_is_logged_as_an_abort_not_an_error(server):
+    """A client that gives up is routine: one INFO line naming the request, never an ASGI exception."""
+    base, _ = server
+    before = aborted(base)
+    with server_log("uvicorn.error", "serving") as records:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 250, "ignore_eos": True,
+                                                       "n": 4}, headers={"x-request-id": "gone-1"}, timeout=0.1)
+        deadline = time.monotonic() + 20
+        while aborted(base) - before < 4 or metric(base, "vllm:kv_cache_usage_perc") > 0:
+            assert time.monotonic() < deadline, "the engine requests of a gone client were not aborted"
+            time.sleep(0.05)
+        time.sleep(0.2)
+    errors = [r for r in records if r.levelno >= logging.WARNING]
+    assert not errors, [r.getMessage() for r in errors]
+    lines = [r.getMessage() for r in records if "gone-1" in r.getMessage()]
+    assert len(lines) == 1 and "client disconnected" in lines[0] and "\n" not in lines[0], lines
+    assert metric(base, "vllm:num_requests_running") == 0
+
+
+@pytest.fixture(scope="module")
+def bos_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with a tokenizer that prepends <s> to every encoded text, as Llama's does."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    out = tmp_path_factory.mktemp("tiny-bos")
+    shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", bos)])
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_echo_returns_the_prompt_the_client_sent(bos_model_dir):
+    with running_server(bos_model_dir, EngineConfig(num_blocks=64, block_size=8, max_num_seqs=4)) as (base, engine):
+        prompt = "Hello world! Answer: 42."
+        assert engine.tokenizer.encode(prompt)[0] == engine.tokenizer.bos_token_id  # the case being tested
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 0,
+                                                        "echo": True, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["text"] == prompt
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(engine.tokenizer.encode(prompt))  # the BOS is scored (and listed) too
+        # every offset points at its token inside the returned text; the added <s> takes no room in it
+        for tok, off in zip(lp["tokens"][1:], lp["text_offset"][1:]):
+            assert c["text"][off:off + len(tok)] == tok
+        assert lp["text_offset"][0] == 0
+        # a list of prompts, generating: each choice starts with its own prompt
+        prompts = ["Once upon", "The quick"]
+        r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": prompts, "max_tokens": 3,
+                                                        "echo": True, "temperature": 0})
+        texts = [ch["text"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
+        assert [t[:len(p)] for t, p in zip(texts, prompts)] == prompts
+        assert all(not t.startswith("<s>") for t in texts)

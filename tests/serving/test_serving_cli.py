@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -119,6 +120,115 @@ def test_sigterm_drains_in_flight_then_exits(micro_base_dir):
         assert all(out["lines"][-1] == "data: [DONE]" for out in admitted)  # in-flight work finished
         assert all(out.get("status") in (200, 503) for out in results)
         assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_flag_defaults_are_engine_config_defaults(tmp_path):
+    """One source for the defaults: `lifecycle serve DIR` with no flags runs exactly `EngineConfig()`."""
+    from serving.engine import EngineConfig
+
+    args = parser().parse_args(["serve", str(tmp_path)])
+    assert engine_config_from_args(args) == EngineConfig()
+    defaults = EngineConfig()
+    for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_model_len", "num_blocks",
+                 "dtype", "device", "threads"):
+        assert getattr(args, flag) == getattr(defaults, flag), flag
+    assert parse_size(args.kv_memory) == defaults.kv_memory_bytes
+
+
+def _start_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", str(model_dir), "--port", str(port),
+                             "--served-model-name", "micro", "--threads", "1", *extra],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server never became ready"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def long_context_model_dir(tmp_path_factory) -> Path:
+    """The tiny test model with room for streams long enough to outlast a short drain timeout."""
+    from tests.serving.conftest import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-long"), max_pos=8192)
+
+
+def test_sigterm_ends_streams_at_the_drain_timeout_and_exits(long_context_model_dir):
+    """`--drain-timeout 3` with long streams in flight: the process is gone a few seconds after it, and every
+    client's answer ends well-formed: a stream with an error event then [DONE] (our gateway continues such a
+    stream on another replica), a non-streaming request with a 503 error body."""
+    drain = 3.0
+    proc, base = _start_server(long_context_model_dir, "--drain-timeout", str(drain), "--max-num-seqs", "2",
+                               "--log-level", "info")
+    try:
+        streams: list[dict] = [{"lines": []} for _ in range(3)]
+        plain: dict = {}
+
+        def stream(out: dict):
+            body = {"model": "micro", "prompt": "Once", "max_tokens": 6000, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+                    out["status"] = r.status_code
+                    for line in r.iter_lines():
+                        if line.startswith("data:"):
+                            out["lines"].append(line)
+            except httpx.HTTPError as e:  # a cut connection: the failure this test is about
+                out["error"] = repr(e)
+
+        def non_streaming():
+            body = {"model": "micro", "prompt": "Once", "max_tokens": 6000, "ignore_eos": True}
+            try:
+                r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+                plain["status"], plain["body"] = r.status_code, r.json()
+            except httpx.HTTPError as e:
+                plain["error"] = repr(e)
+
+        threads = [threading.Thread(target=stream, args=(out,)) for out in streams]
+        threads.append(threading.Thread(target=non_streaming))
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(streams[0]["lines"]) + len(streams[1]["lines"]) + len(streams[2]["lines"]) < 20:
+            assert time.monotonic() < deadline, "streams never started"
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=drain + 6)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {drain + 6:.0f}s after SIGTERM with --drain-timeout {drain:.0f}")
+        took = time.monotonic() - sent
+        for t in threads:
+            t.join(timeout=10)
+        log = proc.stdout.read().decode()
+        assert rc == 0, log
+        assert took >= drain - 0.5, f"exited after {took:.1f}s, before the drain timeout"
+        for out in streams:
+            assert out["status"] == 200 and "error" not in out, out.get("error")
+            assert out["lines"][-1] == "data: [DONE]", out["lines"][-3:]
+            last = json.loads(out["lines"][-2][len("data:"):])
+            assert last["error"]["type"] == "service_unavailable" and "drain timeout" in last["error"]["message"]
+            chunks = [json.loads(line[len("data:"):]) for line in out["lines"][:-2]]
+            assert all(c["choices"][0]["finish_reason"] is None for c in chunks)  # cut short, and says so
+        assert plain["status"] == 503, plain
+        assert plain["body"]["error"]["type"] == "service_unavailable", plain
+        assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+        assert "drain timeout" in log, log  # the operator sees why requests were cut short
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,179 @@
+"""The FastAPI app (vLLM's ``api_server`` routes): /v1/completions, /v1/chat/completions (both with SSE
+streaming), /v1/models, /health, /ready, /metrics, and the OpenAPI document that describes them.
+
+The server knows requests and streams; the engine knows sequences and blocks. Bad input is always a 4xx
+with an OpenAI error body; a full queue is 429 with Retry-After; draining is 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from serving.api.async_engine import AsyncEngine
+from serving.api.chat import ChatServing
+from serving.api.common import APIError, ClientDisconnectedError, ServerState, error_response, next_output
+from serving.api.completion import CompletionServing
+from serving.api.metrics import ServerMetrics
+from serving.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+)
+from serving.engine import InvalidRequestError, LLMEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- OpenAPI
+# The generation handlers read the raw body themselves (every bad body is an OpenAI-style 400, never
+# FastAPI's 422), so their request schemas and answers are declared here rather than inferred.
+_REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+
+
+def _body(model: type) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _error(description: str, **extra: Any) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description, **extra}
+
+
+_GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _error("Invalid request: malformed JSON, a field out of range, a prompt longer than the context."),
+    404: _error("No such model (`model` names another one)."),
+    429: _error("The queue is full; retry after `Retry-After` seconds.",
+                headers={"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}),
+    500: _error("This request failed while generating (the server goes on serving others)."),
+    503: _error("The server is draining or shutting down, or the engine stopped."),
+}
+# One server-sent event: `data:` holds a JSON chunk (an error object if the request fails mid-stream, e.g.
+# the server shutting down), and the last event's is `[DONE]`.
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, an OpenAI error object, or [DONE]"}},
+}}}
+
+
+def _generation_responses(answer: type) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": answer, "description": f"{answer.__name__}, or with `stream: true` server-sent "
+                                                  "events (chunks, then `data: [DONE]`).", "content": _SSE},
+            **_GENERATION_ERRORS}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document plus the request-body schemas (with every model they use) under components."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in _REQUEST_MODELS:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(schema.pop("$defs", {}))
+            components[model.__name__] = schema
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+# ----------------------------------------------------------------------------- app
+def build_app(engine: LLMEngine, model_name: str, *, warmup: bool = True) -> FastAPI:
+    """The FastAPI app over an already loaded engine; the step thread starts with the app."""
+    metrics = ServerMetrics(engine, model_name)
+    state = ServerState(engine, AsyncEngine(engine, metrics), metrics, model_name)
+    completions, chat = CompletionServing(state), ChatServing(state)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.async_engine.start(asyncio.get_running_loop())
+        if warmup:
+            await _warmup(state)
+        state.ready = True
+        try:
+            yield
+        finally:
+            state.ready = False
+            state.async_engine.stop()
+
+    app = FastAPI(title="llm-lifecycle engine", version="1", lifespan=lifespan,
+                  description="OpenAI-compatible completions and chat over the continuous-batching engine.")
+    app.state.serving = state
+    app.openapi = lambda: _openapi(app)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, e: InvalidRequestError):
+        return error_response(APIError(400, str(e)))
+
+    @app.exception_handler(ClientDisconnectedError)
+    async def _client_gone(request: Request, e: ClientDisconnectedError):
+        log.info("%s", e)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody is there to read it
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, e: Exception):
+        return error_response(APIError(404, f"no route {request.url.path}", "not_found_error"))
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, e: Exception):
+        return error_response(APIError(405, f"method {request.method} not allowed on {request.url.path}"))
+
+    @app.get("/health", responses={503: _error("The engine thread stopped.")})
+    async def health():
+        if not state.async_engine.alive:
+            return error_response(APIError(503, f"engine stopped: {state.async_engine.error}",
+                                           "service_unavailable"))
+        return {"status": "ok"}
+
+    @app.get("/ready", responses={503: {"description": "Loading, warming up or draining: `{\"ready\": false, "
+                                                       "\"draining\": …}`."}})
+    async def ready():
+        if state.ready and not state.async_engine.draining and state.async_engine.alive:
+            return {"ready": True}
+        return JSONResponse({"ready": False, "draining": state.async_engine.draining}, status_code=503)
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition, vLLM's metric names (see the README).",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def metrics_route():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "llm-lifecycle", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest),
+              responses=_generation_responses(CompletionResponse))
+    async def v1_completions(request: Request):
+        return await completions.create(request)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest),
+              responses=_generation_responses(ChatCompletionResponse))
+    async def v1_chat(request: Request):
+        return await chat.create(request)
+
+    return app
+
+
+async def _warmup(state: ServerState) -> None:
+    """One short generation through the whole path so the first user request pays no cold start."""
+    eng = state.engine
+    ids = [eng.tokenizer.bos_token_id or 0] if eng.tokenizer is not None else [0]
+    q = state.async_engine.add(f"warmup-{uuid.uuid4().hex}", ids * 4, SamplingParams(temperature=0, max_tokens=2,
+                                                                                     ignore_eos=True))
+    while True:
+        o = await next_output(q)
+        if o.finished:
+            return

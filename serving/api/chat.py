@@ -1,0 +1,113 @@
+"""`/v1/chat/completions` (vLLM's ``serving_chat``): the model's chat template, ``n`` choices, token
+logprobs with ``top_logprobs``, SSE streaming, and vLLM's ``continue_final_message``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from serving.api.common import (
+    SSE_DONE,
+    APIError,
+    Generation,
+    OpenAIServing,
+    SamplingFactory,
+    finite,
+    id_header,
+    parse_request,
+    read_json_body,
+    request_id,
+    sse,
+    usage,
+)
+from serving.api.protocol import ChatCompletionRequest, error_body
+
+
+class ChatServing(OpenAIServing):
+    async def create(self, request: Request) -> Any:
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json_body(request))
+        self.check_model(req.model)
+        ids = self._prompt(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
+        top = req.top_logprobs or 0
+        make = SamplingFactory(req, self.state.engine.sampling_defaults, max_tokens,
+                               top if req.logprobs else None, None)
+        gen = self.start(f"chatcmpl-{request_id(request)}", int(time.time()), [ids], make)
+        if req.stream:
+            return StreamingResponse(self._stream(req, gen, top), media_type="text/event-stream",
+                                     headers=id_header(request))
+        outs = await self.gather(gen, request)
+        choices = [{"index": sub.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self._logprobs(o.token_ids, o.outputs[0].logprobs, top) if req.logprobs else None,
+                    "finish_reason": o.finish_reason} for sub, o in zip(gen.subs, outs)]
+        body = {"id": gen.id, "object": "chat.completion", "created": gen.created, "model": self.state.model_name,
+                "choices": choices, "usage": usage(gen.prompt_tokens, sum(len(o.token_ids) for o in outs))}
+        return JSONResponse(body, headers=id_header(request))
+
+    def _prompt(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.tok
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):  # OpenAI content parts: the model reads the text ones
+                for j, part in enumerate(content):
+                    if part.type == "text" and part.text is None:
+                        raise APIError(400, f"messages.{i}.content.{j}.text: a text part needs a string `text`",
+                                       param=f"messages.{i}.content.{j}.text")
+                content = "".join(part.text or "" for part in content if part.type == "text")
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message)
+        except Exception as e:  # template errors come from user content (jinja raise_exception)
+            raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
+        return tok.encode(text, add_special_tokens=False)
+
+    def _logprobs(self, token_ids: list[int], recs: list[dict[int, float]] | None, top: int) -> dict[str, Any] | None:
+        if recs is None:
+            return None
+        content = []
+        for tid, rec in zip(token_ids, recs):
+            s = self.token_str(tid)
+            best = sorted(rec.items(), key=lambda kv: -kv[1])[:top]
+            alts = [{"token": self.token_str(t), "logprob": finite(v), "bytes": list(self.token_str(t).encode())}
+                    for t, v in best]
+            content.append({"token": s, "logprob": finite(rec.get(tid)), "bytes": list(s.encode()),
+                            "top_logprobs": alts})
+        return {"content": content}
+
+    async def _stream(self, req: ChatCompletionRequest, gen: Generation, top: int) -> AsyncIterator[str]:
+        head = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created,
+                "model": self.state.model_name}
+        ctoks = 0
+        ended = False
+        try:
+            for sub in gen.subs:
+                yield sse({**head, "choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            async for sub, o in self.merge(gen):
+                ctoks += len(o.delta_token_ids)
+                if not (o.delta_text or o.finished):
+                    continue
+                delta = {"content": o.delta_text} if o.delta_text else {}
+                lp = self._logprobs(o.delta_token_ids, o.delta_logprobs, top) if req.logprobs else None
+                yield sse({**head, "choices": [{"index": sub.index, "delta": delta, "logprobs": lp,
+                                                "finish_reason": o.finish_reason if o.finished else None}]})
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(gen.prompt_tokens, ctoks)})
+            ended = True
+            yield SSE_DONE
+        except APIError as e:  # an engine failure, or the server shutting down (503): say so, then end
+            ended = True
+            yield sse(error_body(e.message, e.type, e.param, e.status))
+            yield SSE_DONE
+        finally:
+            self.stream_ended_early(gen, ended)
