@@ -303,6 +303,9 @@ def _run_timeout() -> float | None:
       on_crashed=[notify_failure], timeout_seconds=_run_timeout())
 def lifecycle(recipe_path: str) -> dict[str, Any]:
     """Run every enabled stage of the recipe; finished stages come from Prefect's cache."""
+    from flows import quiet_logs
+
+    quiet_logs.install()  # also when a worker, not `lifecycle run`, started this run
     started = time.perf_counter()
     recipe = load_recipe(recipe_path)
     workdir = resolve_workdir(recipe.workdir)

@@ -24,6 +24,9 @@ class DropUserErrorTracebacks(logging.Filter):
 
 
 def install() -> None:
+    from artifacts.common.quiet import quiet_warnings
+
+    quiet_warnings()
     user_errors = DropUserErrorTracebacks()
     for name in _PREFECT_LOGGERS:
         logging.getLogger(name).addFilter(user_errors)

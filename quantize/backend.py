@@ -57,6 +57,17 @@ def run_gptqmodel(
     from the source afterwards so the quantizer's tokenizer fix-ups never change the chat contract.
     """
     prepare_env()
+    from artifacts.common.quiet import output_to_log
+
+    # gptqmodel's banner, per-layer tables and bars go to a log beside the outputs, not the terminal
+    console_log = Path(out_dir).parent / f"{method}-gptqmodel.log"
+    with output_to_log(console_log, f"{method}: gptqmodel quantizing"):
+        return _run_gptqmodel(method, model_dir, out_dir, calibration, config)
+
+
+def _run_gptqmodel(
+    method: str, model_dir: Path, out_dir: Path, calibration: CalibrationSet, config: QuantizeConfig
+) -> Path:
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.quantization.config import AWQConfig, GPTQConfig
 

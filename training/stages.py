@@ -143,6 +143,19 @@ def _common_args(config: Any, hw: Hardware, checkpoints_dir: Path) -> dict[str, 
     return args
 
 
+def _quiet_progress(trainer: Any) -> None:
+    """Keep the trainer's progress bar but drop the raw ``{'loss': ...}`` dict it prints at every logging
+    step: the same figures go to MLflow as curves, and the dicts bury the bar."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class BarOnly(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            return None
+
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(BarOnly)
+
+
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -267,6 +280,7 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
                        checkpoints_dir=checkpoints_dir, tokenizer=tokenizer, model=model,
                        dataset=Dataset.from_list(rows), args=_common_args(config, hw, checkpoints_dir))
     trainer = spec.build_trainer(ctx)
+    _quiet_progress(trainer)
     resumed_from_step = 0
     if resume_from is not None:
         resumed_from_step = int(resume_from.name.rsplit("-", 1)[-1])

@@ -1,0 +1,75 @@
+"""Keep third-party noise out of the user's terminal without losing it.
+
+Libraries such as gptqmodel print banners, per-layer tables and their own progress bars to stdout/stderr,
+some of it from C. ``output_to_log`` sends both file descriptors to a log file while such a library runs and
+shows one line with the elapsed time on the real terminal instead; the full output stays in the log, whose
+path the line names. ``quiet_warnings`` silences deprecation chatter that says nothing to our users.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+# Loggers that warn about optional accelerators this project never uses (triton, CUDA-only extensions).
+NOISY_LOGGERS = ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")
+
+
+def quiet_warnings() -> None:
+    """FutureWarnings/DeprecationWarnings from dependencies, and accelerator probes that cannot apply here."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def output_to_log(log_path: str | Path, label: str) -> Iterator[None]:
+    """Redirect fd 1 and 2 to ``log_path`` for the block; show ``label`` and elapsed time on the terminal."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    terminal = os.fdopen(os.dup(saved_err), "w", buffering=1)
+    interactive = terminal.isatty()
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            terminal.write(f"\r  {label}: {time.monotonic() - started:4.0f} s (details: {log_path})")
+            terminal.flush()
+
+    ticker = threading.Thread(target=tick, daemon=True) if interactive else None
+    if not interactive:
+        terminal.write(f"  {label} (details: {log_path})\n")
+    python_streams = sys.stdout, sys.stderr
+    with open(log_path, "ab") as log, open(log_path, "a", buffering=1, encoding="utf-8") as text_log:
+        os.dup2(log.fileno(), 1)  # what C code writes
+        os.dup2(log.fileno(), 2)
+        sys.stdout = sys.stderr = text_log  # what Python writes, even where sys.stdout is not fd 1 (pytest)
+        if ticker is not None:
+            ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if ticker is not None:
+                ticker.join(timeout=2)
+            sys.stdout, sys.stderr = python_streams
+            os.dup2(saved_out, 1)
+            os.dup2(saved_err, 2)
+            os.close(saved_out)
+            os.close(saved_err)
+            if interactive:
+                terminal.write(f"\r  {label}: {time.monotonic() - started:4.0f} s\x1b[K\n")
+            terminal.close()
