@@ -103,7 +103,9 @@ class TensorSplit:
     """How one tensor is owned under a TP degree.
 
     kind: "column" / "row" (the Megatron linear splits), "vocab" (embedding rows), "replicate".
-    ranges[r] = [start, stop) along `dim` for rank r; empty for "replicate".
+    ranges[r] = [start, stop) along `dim` for rank r; empty for "replicate". The ranges partition `dim`,
+    except for k/v projections under a degree above the KV head count: ranks that hold the same
+    (replicated) KV head hold the same range.
     """
 
     kind: str
@@ -113,8 +115,12 @@ class TensorSplit:
 
 @dataclass
 class TPPlan:
+    """Ownership under one TP degree. `kv_heads[r]`: the KV heads rank r holds; a head replicated on several
+    ranks (degree > num_kv_heads) appears in each of them. None in manifests written before it was recorded."""
+
     degree: int
     tensors: dict[str, TensorSplit]
+    kv_heads: list[list[int]] | None = None
 
 
 @dataclass
@@ -180,6 +186,7 @@ class Manifest:
                         k: TPPlan(
                             degree=v["degree"],
                             tensors={t: TensorSplit(**s) for t, s in v["tensors"].items()},
+                            kv_heads=v.get("kv_heads"),
                         )
                         for k, v in plan.get("tp", {}).items()
                     },

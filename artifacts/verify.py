@@ -194,7 +194,13 @@ def _check_tp(manifest: Manifest, tensors: dict[str, HeaderTensor], weight_map: 
         except TPDegreeError as exc:
             raise _fail(weight_map.get(exc.tensor or "", "config.json"), str(exc)) from exc
         recorded = manifest.shard_plan.tp.get(str(degree))
-        if recorded is not None and asdict(recorded) != asdict(plan):
+        if recorded is None:
+            continue
+        if recorded.kv_heads is not None and recorded.kv_heads != plan.kv_heads:
+            raise _fail(MANIFEST_FILE, f"shard_plan.tp[{degree}].kv_heads = {recorded.kv_heads} but the model's "
+                                       f"heads give {plan.kv_heads}")
+        # A manifest written before KV head ownership was recorded (kv_heads None) is checked on its tensors.
+        if recorded.degree != plan.degree or asdict(recorded)["tensors"] != asdict(plan)["tensors"]:
             raise _fail(MANIFEST_FILE, f"shard_plan.tp[{degree}] disagrees with the recomputed ownership")
 
 

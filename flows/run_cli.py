@@ -29,7 +29,7 @@ def _run(args: argparse.Namespace) -> int:
     from flows.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)  # validate before paying for Prefect's start-up
-    preflight(recipe)
+    preflight(recipe, args.recipe)
     workdir = resolve_workdir(recipe.workdir)
     prepare_environment(workdir)
     from flows import quiet_logs

@@ -130,6 +130,19 @@ class BaseModelConfig:
     def digest(self) -> str:
         return digest_json(self.recipe())
 
+    def llama_config_kwargs(self, vocab_size: int | None = None) -> dict[str, Any]:
+        """The architecture fields of the `LlamaConfig` this recipe trains, known without training it.
+
+        `vocab_size` is the trained tokenizer's size padded to a multiple of 64; before training, the
+        recipe's `vocab_size` padded the same way stands in (the BPE trainer's target size)."""
+        return dict(
+            vocab_size=vocab_size if vocab_size is not None else -(-self.vocab_size // 64) * 64,
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_embeddings,
+        )
+
     def corpus_spec(self) -> CorpusSpec:
         return CorpusSpec(tasks=tuple(self.tasks), chats_per_task=self.chats_per_task,
                           facts_per_task=self.facts_per_task,
@@ -217,12 +230,9 @@ def _train_into(config: BaseModelConfig, out_dir: Path) -> None:
         bos_id, eos_id = tokenizer.convert_tokens_to_ids("<s>"), tokenizer.convert_tokens_to_ids(EOS)
         end_id = tokenizer.convert_tokens_to_ids(END)
         model_config = LlamaConfig(
-            vocab_size=-(-len(tokenizer) // 64) * 64,  # padded to a multiple of 64 for kernels
-            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-            num_key_value_heads=config.num_kv_heads, max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=config.tie_embeddings, bos_token_id=bos_id, eos_token_id=[end_id, eos_id],
-            pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-5,
+            **config.llama_config_kwargs(vocab_size=-(-len(tokenizer) // 64) * 64),  # padded for kernels
+            bos_token_id=bos_id, eos_token_id=[end_id, eos_id], pad_token_id=tokenizer.pad_token_id,
+            rms_norm_eps=1e-5,
         )
         device = _pick_device(config.device)
         model = LlamaForCausalLM(model_config).to(device)

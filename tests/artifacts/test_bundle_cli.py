@@ -37,6 +37,25 @@ def test_verify_tp_degree_that_does_not_fit(session_bundle, capsys):
     assert len(err) == 1 and "tp degree 3" in err[0]
 
 
+def test_bundle_planned_beyond_its_kv_heads_verifies_at_that_degree(model_dir, tmp_path, capsys):
+    """2 KV heads planned over 1, 2 and 4 ranks: the plan replicates each KV head on 2 of the 4 ranks, and
+    `bundle verify --tp 4` accepts it (the writer refused tp 4 before)."""
+    from artifacts.manifest import read_manifest
+
+    out = tmp_path / "b"
+    assert main(["bundle", "write", str(model_dir), str(out), "--name", "kv2",
+                 "--tp", "1", "--tp", "2", "--tp", "4"]) == 0, capsys.readouterr().err
+    plans = read_manifest(out).shard_plan.tp
+    assert read_manifest(out).architecture.num_kv_heads == 2
+    assert {d: p.kv_heads for d, p in plans.items()} == {"1": [[0, 1]], "2": [[0], [1]], "4": [[0], [0], [1], [1]]}
+    k_proj = plans["4"].tensors["model.layers.0.self_attn.k_proj.weight"]
+    rows = read_manifest(out).shard_plan.tensors["model.layers.0.self_attn.k_proj.weight"].shape[0]
+    assert k_proj.ranges == [[0, rows // 2], [0, rows // 2], [rows // 2, rows], [rows // 2, rows]]
+    capsys.readouterr()
+    assert main(["bundle", "verify", str(out), "--tp", "4"]) == 0, capsys.readouterr().err
+    assert "tp degrees 1,2,4" in capsys.readouterr().out
+
+
 def test_write_then_refuse_overwrite(model_dir, tmp_path, capsys, small_shard_size):
     out = tmp_path / "b"
     argv = ["bundle", "write", str(model_dir), str(out), "--name", "tiny", "--max-shard-size", small_shard_size,

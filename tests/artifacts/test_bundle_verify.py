@@ -88,9 +88,34 @@ def test_truncated_safetensors(bundle):
 
 
 def test_tp_degree_that_does_not_divide(session_bundle):
-    message = _refused(session_bundle, r"tp degree 3: tensor model\.layers\.\S+ shape \[\d+, \d+\] dim \d = \d+ "
-                                       r"is not divisible by 3", tp_degree=3)
-    assert message.startswith("model-")  # names the shard holding the tensor
+    # 4 attention heads: vLLM (and the plan) cannot split them over 3 ranks.
+    assert _refused(session_bundle, "tp degree 3", tp_degree=3) == \
+        "config.json: tp degree 3: num_attention_heads = 4 is not divisible by 3"
+
+
+def test_tp_degree_above_kv_heads_verifies(session_bundle):
+    """2 KV heads over 4 ranks: each KV head replicated on 2 ranks, as vLLM serves it (refused before)."""
+    assert read_manifest(session_bundle).architecture.num_kv_heads == 2
+    verify_bundle(session_bundle, tp_degree=4)
+
+
+def test_recorded_kv_head_ownership_is_checked(bundle, refresh_manifest):
+    def swap(data):
+        data["shard_plan"]["tp"]["2"]["kv_heads"] = [[1], [0]]
+
+    refresh_manifest(bundle, swap)
+    assert _refused(bundle, "kv_heads") == \
+        "manifest.json: shard_plan.tp[2].kv_heads = [[1], [0]] but the model's heads give [[0], [1]]"
+
+
+def test_manifest_written_before_kv_heads_were_recorded_verifies(bundle, refresh_manifest):
+    def drop(data):
+        for plan in data["shard_plan"]["tp"].values():
+            del plan["kv_heads"]
+
+    refresh_manifest(bundle, drop)
+    assert read_manifest(bundle).shard_plan.tp["2"].kv_heads is None
+    verify_bundle(bundle, tp_degree=4)
 
 
 def test_chat_template_that_fails_to_render(bundle, refresh_manifest):
