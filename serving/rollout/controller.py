@@ -404,6 +404,9 @@ class Controller:
                 self.console.set_alias(move.alias, move.version)
                 crash_point(f"after-alias:{move.alias}")
                 move.moved = True
+            elif state.aliases_set.get(move.alias, "unset") == move.version:
+                move.ours = True  # still where this rollout put it: nothing happened
+            state.aliases_set[move.alias] = move.version
             move.done = True
             self._save()
         if not t.recorded:
@@ -422,7 +425,7 @@ class Controller:
                     was = f"v{move.previous}" if move.previous else "unset"
                     self._record("alias", from_phase, t.to_phase, t.cause, t.actor, at=t.at,
                                  detail=f"{move.alias}: {was} → {target}")
-                elif move.version is not None:
+                elif move.version is not None and not move.ours:
                     self._record("alias", from_phase, t.to_phase, t.cause, t.actor, at=t.at,
                                  detail=f"{move.alias}: already v{move.version} (in place before this transition)")
             t.recorded = True

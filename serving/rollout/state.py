@@ -57,6 +57,7 @@ class AliasMove:
     version: str | None  # None: delete the alias
     done: bool = False
     moved: bool = False  # False once done means it was already in place (a person, or a run before a restart)
+    ours: bool = False  # already in place because this rollout put it there earlier: nothing to record
     previous: str | None = None
 
 
@@ -93,6 +94,9 @@ class RolloutState:
     pending: Transition | None = None
     mlflow_run_id: str | None = None
     unhealthy_since: float | None = None
+    # what this rollout itself last set each alias to: a move that finds the alias already there is news
+    # only when someone else (a person, or this rollout before a restart) put it there
+    aliases_set: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
