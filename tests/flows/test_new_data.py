@@ -1,5 +1,6 @@
-"""A dataset directory that grows: a bad new file fails that run, naming the file and the field, tells
-someone (the notification log and a webhook), and leaves the last good outputs and aliases untouched."""
+"""A dataset directory that grows: a bad new file fails that run, naming the file and the field, and leaves
+the last good outputs and aliases untouched. By hand the preflight refuses it in one line; unattended (a
+worker running the flow) the data stage fails the run and someone hears about it (log + webhook)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ class _Webhook(BaseHTTPRequestHandler):
         pass
 
 
+# What a process worker does with a deployment's run: set up the workdir's environment, call the flow.
+WORKER_ENTRY = ["-c", "import sys; from artifacts.common.workdir import resolve_workdir; "
+                "from flows.environment import prepare_environment; prepare_environment(resolve_workdir()); "
+                "from flows.lifecycle import lifecycle; lifecycle(recipe_path=sys.argv[1])"]
+
+
 def test_a_bad_new_file_fails_that_run_names_it_notifies_and_changes_nothing(tmp_path):
     home, incoming = tmp_path / "home", tmp_path / "incoming"
     incoming.mkdir()
@@ -55,8 +62,9 @@ def test_a_bad_new_file_fails_that_run_names_it_notifies_and_changes_nothing(tmp
     env |= {"LIFECYCLE_HOME": str(home),
             "LIFECYCLE_NOTIFY_WEBHOOK": f"http://127.0.0.1:{webhook.server_address[1]}/hook"}
 
-    def run() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path)], capture_output=True, text=True,
+    def run(entry: list[str] | None = None) -> subprocess.CompletedProcess:
+        command = entry or ["-m", "flows.cli", "run"]
+        return subprocess.run([sys.executable, *command, str(path)], capture_output=True, text=True,
                               timeout=900, cwd=REPO, env=env)
 
     try:
@@ -68,10 +76,18 @@ def test_a_bad_new_file_fails_that_run_names_it_notifies_and_changes_nothing(tmp
 
         (incoming / "day2.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "no reply"}]})
                                              + "\n")
-        bad = run()
-        assert bad.returncode != 0
-        assert "day2.jsonl: record 0 field 'messages'" in bad.stderr
-        assert bad.stderr.count("Traceback") == 0  # a user error: one line, no traceback
+        # by hand: the preflight refuses the recipe before any stage runs, in one line
+        by_hand = run()
+        assert by_hand.returncode == 2
+        assert by_hand.stderr.strip().splitlines()[-1].startswith("error: ")
+        assert "day2.jsonl: record 0 field 'messages'" in by_hand.stderr
+        assert by_hand.stderr.count("Traceback") == 0
+        assert not (home / "notifications.log").exists()  # the person at the keyboard already knows
+
+        # unattended: a worker runs the flow itself (no preflight); the data stage fails the run
+        scheduled = run(WORKER_ENTRY)
+        assert scheduled.returncode != 0
+        assert "day2.jsonl: record 0 field 'messages'" in scheduled.stderr + scheduled.stdout
         # nothing the good run made was touched; the failed data stage left no half-written output behind
         assert client.get_model_version_by_alias("newdata", "candidate").version == candidate
         assert (data_dir / "STAGE_DONE.json").is_file()
