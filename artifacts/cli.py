@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from pathlib import Path
 
-from artifacts.errors import ConfigError, LifecycleError
+from artifacts.common.cli import main_with_subcommands
+from artifacts.errors import ConfigError
 from artifacts.manifest import Lineage, Manifest, manifest_digest
 
 
@@ -132,17 +132,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry (`python -m artifacts.cli bundle verify DIR`) with the same one-line errors."""
-    import sys
-
-    parser = argparse.ArgumentParser(prog="lifecycle")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    handler: Callable[[argparse.Namespace], int] = args.func
-    try:
-        return handler(args)
-    except LifecycleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return main_with_subcommands("lifecycle", register_cli, argv)
 
 
 if __name__ == "__main__":

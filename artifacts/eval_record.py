@@ -9,13 +9,12 @@ belongs to another manifest (a record copied next to a different bundle, or a st
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from artifacts.common.atomic import atomic_write_text
 from artifacts.errors import EvalRecordError
 from artifacts.manifest import EVAL_RECORD_FILE, MANIFEST_FILE, manifest_digest
 
@@ -75,11 +74,7 @@ def write_eval_record(
     record.bundle_name = record.bundle_name or manifest.get("name", "")
     record.bundle_version = record.bundle_version or manifest.get("version", "")
     record.created_at = record.created_at or datetime.now(UTC).isoformat(timespec="seconds")
-    path = bundle_dir / EVAL_RECORD_FILE
-    tmp = bundle_dir / f".{EVAL_RECORD_FILE}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.write_text(record.to_json(), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(bundle_dir / EVAL_RECORD_FILE, record.to_json())
 
 
 def read_eval_record(bundle_dir: str | Path, check_digest: bool = True) -> EvalRecord:

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 import subprocess
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,6 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from artifacts.common.atomic import staged_directory
+from artifacts.common.sizes import parse_size
 from artifacts.digests import sha256_bytes, sha256_file
 from artifacts.errors import BundleError
 from artifacts.manifest import (
@@ -58,21 +58,8 @@ from artifacts.tokenizer_files import (
 AUTO_VERSION = "auto"
 # Extra source files a loader may need, copied verbatim when present.
 EXTRA_FILES = ("quantize_config.json", "quant_config.json")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _GENERATION_KEYS_SKIPPED = ("transformers_version", "_from_model_config")
-
-
-def parse_size(text: str) -> int:
-    """"5MB" -> 5_000_000, "2MiB" -> 2_097_152, "1000" -> 1000 (the convention of transformers)."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"max_shard_size: cannot parse {text!r} (use e.g. '5MB', '512KiB', '1GB')")
-    value = float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]
-    if value < 1:
-        raise ValueError(f"max_shard_size: {text!r} must be at least one byte")
-    return int(value)
 
 
 @dataclass
@@ -90,7 +77,7 @@ class BundleConfig:
             raise ValueError(f"name: {self.name!r} must be letters, digits, '.', '_' or '-'")
         if not _NAME.match(self.version or ""):
             raise ValueError(f"version: {self.version!r} must be letters, digits, '.', '_' or '-'")
-        parse_size(self.max_shard_size)
+        parse_size(self.max_shard_size, "max_shard_size")
         if not self.tp_degrees or any(not isinstance(d, int) or d < 1 for d in self.tp_degrees):
             raise ValueError(f"tp_degrees: {self.tp_degrees!r} must be a non-empty list of integers >= 1")
         if self.max_context is not None and self.max_context < 1:
@@ -219,78 +206,71 @@ def write_bundle(
     shapes = {name: t.shape for name, t in tensors.items()}
     tp_plans = {str(d): plan_shards(shapes, d, arch.num_heads, arch.num_kv_heads) for d in config.tp_degrees}
 
-    max_bytes = parse_size(config.max_shard_size)
+    max_bytes = parse_size(config.max_shard_size, "max_shard_size")
     groups = group_shards({n: t.end - t.begin for n, t in tensors.items()}, max_bytes)
     shard_names = [shard_file_name(i + 1, len(groups)) for i in range(len(groups))]
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
-        tensor_infos: dict[str, TensorInfo] = {}
-        for shard_name, names in tqdm(list(zip(shard_names, groups)), desc="writing shards", unit="shard",
-                                      disable=len(groups) < 4):
-            _write_shard(locations, names, tmp / shard_name)
-            for name in names:
-                tensor_infos[name] = TensorInfo(shard_name, tensors[name].dtype, list(tensors[name].shape))
-        total = sum(math_bytes(t.dtype, t.shape) for t in tensor_infos.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {n: tensor_infos[n].shard for n in sorted(tensor_infos, key=natural_key)}}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        with staged_directory(out_dir, if_exists="fail") as tmp:
+            tensor_infos: dict[str, TensorInfo] = {}
+            for shard_name, names in tqdm(list(zip(shard_names, groups)), desc="writing shards", unit="shard",
+                                          disable=len(groups) < 4):
+                _write_shard(locations, names, tmp / shard_name)
+                for name in names:
+                    tensor_infos[name] = TensorInfo(shard_name, tensors[name].dtype, list(tensors[name].shape))
+            total = sum(math_bytes(t.dtype, t.shape) for t in tensor_infos.values())
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {n: tensor_infos[n].shard for n in sorted(tensor_infos, key=natural_key)}}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
-        shutil.copy2(model_dir / "config.json", tmp / "config.json")
-        gen_defaults = generation_defaults(model_dir)
-        if (model_dir / "generation_config.json").is_file():
-            shutil.copy2(model_dir / "generation_config.json", tmp / "generation_config.json")
-        else:  # a server needs the stop ids; derive them from config.json
-            gen_defaults = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                            if hf_config.get(k) is not None}
-            (tmp / "generation_config.json").write_text(json.dumps(gen_defaults, indent=2) + "\n")
-        for name in tok_files + [f for f in EXTRA_FILES if (model_dir / f).is_file()]:
-            shutil.copy2(model_dir / name, tmp / name)
+            shutil.copy2(model_dir / "config.json", tmp / "config.json")
+            gen_defaults = generation_defaults(model_dir)
+            if (model_dir / "generation_config.json").is_file():
+                shutil.copy2(model_dir / "generation_config.json", tmp / "generation_config.json")
+            else:  # a server needs the stop ids; derive them from config.json
+                gen_defaults = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                                if hf_config.get(k) is not None}
+                (tmp / "generation_config.json").write_text(json.dumps(gen_defaults, indent=2) + "\n")
+            for name in tok_files + [f for f in EXTRA_FILES if (model_dir / f).is_file()]:
+                shutil.copy2(model_dir / name, tmp / name)
 
-        files = [FileEntry(p.relative_to(tmp).as_posix(), sha256_file(p), p.stat().st_size)
-                 for p in sorted(tmp.rglob("*")) if p.is_file()]
-        version = config.version
-        if version == AUTO_VERSION:
-            weights = "".join(f.sha256 for f in files if f.path in shard_names)
-            stamp = datetime.now(UTC).strftime("%Y%m%d.%H%M%S")
-            version = f"{stamp}-{sha256_bytes(weights.encode())[:8]}"
-        resolved_lineage = dataclasses.replace(
-            lineage,
-            git_commit=lineage.git_commit if lineage.git_commit is not None else _git_commit(),
-            source_dir=lineage.source_dir or str(model_dir.resolve()),
-        )
-        manifest = Manifest(
-            name=config.name,
-            version=version,
-            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-            lineage=resolved_lineage,
-            architecture=arch,
-            tokenizer=TokenizerInfo(
-                digest=tokenizer_digest(tmp, tok_files), vocab_size=vocab, files=tok_files,
-                chat_template_digest=chat_template_digest(template), chat_template_source=template_source,
-            ),
-            context=ContextContract(max_context=max_context,
-                                    max_position_embeddings=arch.max_position_embeddings),
-            generation_defaults=gen_defaults,
-            quantization=quant,
-            shard_plan=ShardPlan(max_shard_size=max_bytes, shards=shard_names, tensors=tensor_infos,
-                                 tp=tp_plans),
-            files=files,
-        )
-        (tmp / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
-        if eval_record is not None:
-            from artifacts.eval_record import write_eval_record
+            files = [FileEntry(p.relative_to(tmp).as_posix(), sha256_file(p), p.stat().st_size)
+                     for p in sorted(tmp.rglob("*")) if p.is_file()]
+            version = config.version
+            if version == AUTO_VERSION:
+                weights = "".join(f.sha256 for f in files if f.path in shard_names)
+                stamp = datetime.now(UTC).strftime("%Y%m%d.%H%M%S")
+                version = f"{stamp}-{sha256_bytes(weights.encode())[:8]}"
+            resolved_lineage = dataclasses.replace(
+                lineage,
+                git_commit=lineage.git_commit if lineage.git_commit is not None else _git_commit(),
+                source_dir=lineage.source_dir or str(model_dir.resolve()),
+            )
+            manifest = Manifest(
+                name=config.name,
+                version=version,
+                created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                lineage=resolved_lineage,
+                architecture=arch,
+                tokenizer=TokenizerInfo(
+                    digest=tokenizer_digest(tmp, tok_files), vocab_size=vocab, files=tok_files,
+                    chat_template_digest=chat_template_digest(template), chat_template_source=template_source,
+                ),
+                context=ContextContract(max_context=max_context,
+                                        max_position_embeddings=arch.max_position_embeddings),
+                generation_defaults=gen_defaults,
+                quantization=quant,
+                shard_plan=ShardPlan(max_shard_size=max_bytes, shards=shard_names, tensors=tensor_infos,
+                                     tp=tp_plans),
+                files=files,
+            )
+            (tmp / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+            if eval_record is not None:
+                from artifacts.eval_record import write_eval_record
 
-            write_eval_record(tmp, eval_record)
-        try:
-            os.rename(tmp, out_dir)  # atomic; replaces an empty directory on POSIX
-        except OSError as exc:
-            raise BundleError(f"{out_dir}: appeared while the bundle was being written; not replacing it") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                write_eval_record(tmp, eval_record)
+    except FileExistsError as exc:
+        raise BundleError(f"{out_dir}: appeared while the bundle was being written; not replacing it") from exc
     return out_dir
 
 
@@ -314,4 +294,4 @@ def _write_shard(locations: dict[str, Path], names: list[str], path: Path) -> No
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-__all__ = ["EVAL_RECORD_FILE", "BundleConfig", "group_shards", "parse_size", "write_bundle"]
+__all__ = ["EVAL_RECORD_FILE", "BundleConfig", "group_shards", "write_bundle"]

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from artifacts.errors import LifecycleError
+from artifacts.common.cli import main_with_subcommands
 from evals.errors import EvalError
 
 
@@ -67,14 +67,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.cli")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except LifecycleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return main_with_subcommands("python -m evals.cli", register_cli, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ length, device) is resolved here once, so suites never guess.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,8 @@ from typing import Any
 
 import torch
 
+from artifacts.common.device import pick_device
+from artifacts.common.stop_tokens import stop_token_ids
 from evals.errors import EvalError
 
 log = logging.getLogger(__name__)
@@ -47,32 +48,12 @@ class LoadedModel:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def pick_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
 def _eos_ids(model_dir: Path, tokenizer: Any) -> list[int]:
-    """Stop ids from generation_config.json (int or list), else the tokenizer's eos token."""
-    ids: list[int] = []
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():
-        try:
-            ids = _as_id_list(json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id"))
-        except (ValueError, TypeError) as exc:
-            raise EvalError(f"{gen_path}: unreadable eos_token_id ({exc})") from exc
-    if not ids:
-        ids = _as_id_list(tokenizer.eos_token_id)
+    """The server's stop ids (see artifacts.common.stop_tokens); evals cannot score a model that has none."""
+    ids = stop_token_ids(model_dir, tokenizer)
     if not ids:
         raise EvalError(f"{model_dir}: no eos token id in generation_config.json or the tokenizer")
-    return list(dict.fromkeys(ids))
+    return ids
 
 
 def _max_context(model: Any, tokenizer: Any) -> int:
@@ -107,7 +88,7 @@ def load_model(model_dir: str | Path, device: str | None = None) -> LoadedModel:
         raise EvalError(f"{model_dir}: the tokenizer has no chat_template; evals prompt the model with "
                         "its own chat template (add one to tokenizer_config.json)")
 
-    dev = torch.device(device) if device else pick_device()
+    dev = pick_device(device)
     dtype: Any = torch.float32 if dev.type == "cpu" else "auto"
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from artifacts.common.atomic import atomic_write_text
 from evals.errors import EvalError
 
 
@@ -83,21 +82,6 @@ def results_from_json(text: str, source: str = "<string>") -> list[EvalResult]:
         ]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise EvalError(f"{source}: not an eval results file ({type(exc).__name__}: {exc})") from exc
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write to a temp file in the target dir, then rename: readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_results_json(results: list[EvalResult], path: str | Path) -> Path:

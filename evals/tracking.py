@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import re
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
+from artifacts.common.mlflow_batch import log_batch
 from evals.results import EvalResult, markdown_table, metrics_dict, results_to_json
 
 _UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. /]")
-_MAX_BATCH = 1000  # MLflow's per-request limit for metrics
 
 
 def mlflow_key(key: str) -> str:
@@ -23,24 +21,20 @@ def mlflow_key(key: str) -> str:
 def log_results(results: list[EvalResult], prefix: str = "", artifact_dir: str = "evals") -> bool:
     """Log ``results`` into the active MLflow run; return False (and warn) if no run is active.
 
-    Metrics go in one ``log_batch`` per 1000 (NaN values are left out: MLflow charts cannot show them);
+    Metrics go in one batch (NaN values are left out: MLflow charts cannot show them);
     ``<artifact_dir>/eval_results.md`` and ``.json`` hold the full table and record (named
     ``<prefix>_eval_results.*`` with a prefix, so several evaluations can share one run).
     """
     import mlflow
-    from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     run = mlflow.active_run()
     if run is None:
         warnings.warn("log_results: no active MLflow run; eval results were not logged", stacklevel=2)
         return False
-    now = int(time.time() * 1000)
-    metrics = [Metric(key=mlflow_key(k), value=v, timestamp=now, step=0)
-               for k, v in metrics_dict(results, prefix).items() if not math.isnan(v)]
     client = MlflowClient()
-    for start in range(0, len(metrics), _MAX_BATCH):
-        client.log_batch(run.info.run_id, metrics=metrics[start:start + _MAX_BATCH])
+    log_batch(run.info.run_id, metrics={mlflow_key(k): v for k, v in metrics_dict(results, prefix).items()},
+              client=client)
     label = mlflow_key(prefix).strip("/ _").replace("/", "_").replace(" ", "_")
     stem = f"{label}_eval_results" if label else "eval_results"
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from artifacts.errors import LifecycleError
+from artifacts.common.cli import run_cli
 
 # Packages that contribute subcommands through `register_cli(subparsers)`; imported lazily so that
 # `lifecycle --help` does not pay for torch/transformers imports.
@@ -35,20 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module.register_cli(subparsers)
     return parser
-
-
-def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    """Parse, dispatch to the handler stored in `func`, and map user errors to one line + exit 2."""
-    args = parser.parse_args(argv)
-    handler: Callable[[argparse.Namespace], int | None] = args.func
-    try:
-        return int(handler(args) or 0)
-    except LifecycleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:

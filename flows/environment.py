@@ -24,6 +24,9 @@ _OFFLINE_DEFAULTS = {
     "PREFECT_LOGGING_LEVEL": "WARNING",
     "PREFECT_UI_ENABLED": "false",
     "GIT_PYTHON_REFRESH": "quiet",
+    # MLflow draws a bar per artifact download (the rollout fetches bundles from the registry); our stage
+    # logs already say what is being fetched.
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
 }
 
 

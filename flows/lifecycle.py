@@ -18,6 +18,7 @@ from typing import Any
 import mlflow
 from prefect import flow
 
+from artifacts.common.mlflow_batch import log_batch
 from artifacts.errors import LifecycleError
 from flows.environment import Workdir, resolve_workdir
 from flows.notify import notify_failure
@@ -458,18 +459,15 @@ def _use_experiment(name: str, workdir: Workdir) -> None:
 
 def _log_pretrain_curve(log: Any) -> dict[str, float]:
     """Log the base model's loss curve as step metrics; return its summary."""
-    from mlflow.entities import Metric
-
     rows = log.get("history", log) if isinstance(log, dict) else log
     if not isinstance(rows, list) or not rows:
         return {}
-    now = int(time.time() * 1000)
-    metrics = [Metric("pretrain_loss", float(r["loss"]), now, int(r.get("step", i)))
-               for i, r in enumerate(rows) if isinstance(r, dict) and "loss" in r]
+    curve = [("pretrain_loss", float(r["loss"]), int(r.get("step", i)))
+             for i, r in enumerate(rows) if isinstance(r, dict) and "loss" in r]
     run = mlflow.active_run()
-    if metrics and run is not None:
-        mlflow.MlflowClient().log_batch(run.info.run_id, metrics=metrics[:1000])
-    return {"pretrain_final_loss": metrics[-1].value} if metrics else {}
+    if curve and run is not None:
+        log_batch(run.info.run_id, metrics=curve)  # the whole curve, however long
+    return {"pretrain_final_loss": curve[-1][1]} if curve else {}
 
 
 def _dir_fingerprint(path: Path) -> dict[str, Any]:

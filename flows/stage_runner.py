@@ -9,8 +9,6 @@ stage killed half-way is re-run (the stage itself resumes from its checkpoints).
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, is_dataclass
@@ -22,6 +20,7 @@ from prefect import task
 from prefect.context import TaskRunContext
 from rich.console import Console
 
+from artifacts.common.atomic import atomic_write_json
 from artifacts.digests import digest_json
 from artifacts.errors import LifecycleError
 
@@ -117,9 +116,7 @@ def run_stage(work: StageWork, parent_run_id: str | None) -> StageOutput:
 
 
 def _write_marker(out_dir: Path, output: StageOutput) -> None:
-    tmp = out_dir / f".{DONE_MARKER}.tmp"
-    tmp.write_text(json.dumps(asdict(output), indent=2, default=str))
-    os.replace(tmp, out_dir / DONE_MARKER)
+    atomic_write_json(out_dir / DONE_MARKER, asdict(output), sort_keys=False)
 
 
 def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
+from artifacts.common.atomic import staged_directory
+from artifacts.common.device import pick_device
 from quantize.calibration import CalibrationSet
 from quantize.config import QuantizeConfig
 from quantize.errors import QuantizeError
-from quantize.outputs import copy_sidecars, staged_dir
+from quantize.outputs import copy_sidecars
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,6 @@ def _keep_logs_beside(out_dir: Path) -> None:
         return
     if hasattr(loop_processor, "_PROJECT_LOG_DIR"):
         loop_processor._PROJECT_LOG_DIR = out_dir.parent / f"{out_dir.name}-logs"
-
-
-def pick_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run_gptqmodel(
@@ -73,7 +71,7 @@ def _run_gptqmodel(
 
     _keep_logs_beside(Path(out_dir))
 
-    device = pick_device()
+    device = pick_device().type
     common: dict[str, Any] = {"bits": config.bits, "group_size": config.group_size, "offload_to_disk": False}
     if method == "gptq":
         qconfig = GPTQConfig(
@@ -108,7 +106,7 @@ def _run_gptqmodel(
         )
     except (ValueError, NotImplementedError, AssertionError) as err:
         raise QuantizeError(f"{method}: gptqmodel could not quantize {model_dir}: {err}") from err
-    with staged_dir(out_dir) as tmp:
+    with staged_directory(out_dir) as tmp:
         model.save(str(tmp))
         copy_sidecars(Path(model_dir), tmp)
     del model

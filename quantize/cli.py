@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
+from artifacts.common.cli import main_with_subcommands
 from quantize.config import QuantizeConfig
 from quantize.errors import QuantizeError
 
@@ -58,15 +58,8 @@ def handle_quantize(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m quantize.cli")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        return args.func(args)
-    except QuantizeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return main_with_subcommands("python -m quantize.cli", register_cli, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,8 +22,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from artifacts.common.device import pick_device
+from artifacts.common.mlflow_batch import log_batch
 from artifacts.digests import digest_json
-from quantize.backend import pick_device, prepare_env
+from quantize.backend import prepare_env
 from quantize.errors import QuantizeError
 from quantize.outputs import weights_size
 
@@ -94,17 +95,12 @@ class FidelityReport:
     def log_to_mlflow(self, prefix: str = "fidelity") -> bool:
         """Log metrics (one batch) and the markdown/JSON artifacts into the active run, if any."""
         import mlflow
-        from mlflow.entities import Metric
 
         run = mlflow.active_run()
         if run is None:
             return False
-        now = int(time.time() * 1000)
-        metrics = []
-        for r in self.rows:
-            for key in ("kl_mean", "perplexity", "top1_agreement", "size_bytes"):
-                metrics.append(Metric(f"{prefix}.{r.name}.{key}", float(getattr(r, key)), now, 0))
-        mlflow.MlflowClient().log_batch(run.info.run_id, metrics=metrics)
+        log_batch(run.info.run_id, metrics={f"{prefix}.{r.name}.{key}": getattr(r, key) for r in self.rows
+                                            for key in ("kl_mean", "perplexity", "top1_agreement", "size_bytes")})
         mlflow.log_text(self.to_markdown(), "quantize/fidelity.md")
         mlflow.log_text(self.to_json(), "quantize/fidelity.json")
         return True
@@ -188,7 +184,7 @@ def fidelity_report(
         raise QuantizeError("fidelity texts: empty; need held-out text to compare on")
     if REFERENCE in candidates:
         raise QuantizeError(f"candidates: the name {REFERENCE!r} is reserved for the full-precision row")
-    device = device or pick_device()
+    device = device or pick_device().type
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
     batches = _batches(tokenizer, texts, max_length, batch_size)
     ref = _load(Path(reference_dir), device)

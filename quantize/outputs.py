@@ -1,15 +1,12 @@
-"""Writing model directories safely: stage in a temp dir beside the target, then one rename.
+"""What a quantized model directory carries besides its weights, and how big its weights are.
 
-A crash mid-quantization leaves a `.name.tmp-*` dir (removed on the next attempt's failure path),
-never a half-written model dir that a later stage would take for a finished one.
+Quantizers write through ``artifacts.common.atomic.staged_directory``: a crash leaves no half-written
+model dir that a later stage would take for a finished one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 # Files a quantizer does not own but a loader needs: copied verbatim from the full-precision dir so
@@ -27,27 +24,6 @@ SIDECAR_FILES = (
     "generation_config.json",
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-
-
-@contextlib.contextmanager
-def staged_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield an empty temp dir; on success it replaces `out_dir` by rename, on error it is removed."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it owner-only; the renamed model dir should read like any other
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-        out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out_dir)
 
 
 def copy_sidecars(src: Path, dst: Path) -> list[str]:

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from artifacts.common.mlflow_batch import log_batch
 from quantize.calibration import HELDOUT_TEXT_FILE, build_calibration_set, load_texts
 from quantize.config import QuantizeConfig, check_model_compat
 from quantize.errors import QuantizeError, QuantizeGateError
@@ -132,16 +133,11 @@ def run_quantization(
 def _log_run(config: QuantizeConfig, calibration_digest: str, seconds: dict[str, float], gate_passed: bool) -> None:
     """Recipe, calibration digest, timings and the gate verdict into the active MLflow run (one batch)."""
     import mlflow
-    from mlflow.entities import Metric, Param
-
     run = mlflow.active_run()
     if run is None:
         return
-    params = {f"quantize.{k}": str(v) for k, v in asdict(config).items()}
+    params = {f"quantize.{k}": v for k, v in asdict(config).items()}
     params["quantize.calibration_digest"] = calibration_digest
-    now = int(time.time() * 1000)
-    metrics = [Metric(f"quantize.seconds.{k}", v, now, 0) for k, v in seconds.items()]
-    metrics.append(Metric("quantize.gate_passed", float(gate_passed), now, 0))
-    mlflow.MlflowClient().log_batch(
-        run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in params.items()]
-    )
+    metrics = {f"quantize.seconds.{k}": v for k, v in seconds.items()}
+    metrics["quantize.gate_passed"] = float(gate_passed)
+    log_batch(run.info.run_id, metrics=metrics, params=params)

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from artifacts.common.atomic import staged_directory
 from quantize.config import QuantizeConfig
-from quantize.outputs import copy_sidecars, staged_dir
+from quantize.outputs import copy_sidecars
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def quantize_rtn(model_dir: Path, out_dir: Path, config: QuantizeConfig) -> Path
         for module in linears.values():
             module.weight.copy_(fake_quantize(module.weight, config.bits, config.group_size, config.sym))
     log.info("rtn: rounded %d linear layers to %d bits, group size %d", len(linears), config.bits, config.group_size)
-    with staged_dir(out_dir) as tmp:
+    with staged_directory(out_dir) as tmp:
         model.save_pretrained(tmp)
         copy_sidecars(Path(model_dir), tmp)
         meta = {

@@ -7,36 +7,24 @@ works standalone. Bad arguments raise ServeError (a LifecycleError) so the CLI p
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
+from artifacts.common.cli import main_with_subcommands
+from artifacts.common.sizes import format_size, parse_size
 from artifacts.errors import LifecycleError
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_MULT = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1024, "kib": 1024, "m": 1e6, "mb": 1e6, "mi": 1024 ** 2,
-         "mib": 1024 ** 2, "g": 1e9, "gb": 1e9, "gi": 1024 ** 3, "gib": 1024 ** 3, "t": 1e12, "tb": 1e12,
-         "ti": 1024 ** 4, "tib": 1024 ** 4}
 
 
 class ServeError(LifecycleError):
     """A `serve` argument is wrong or the model cannot be served."""
 
 
-def parse_size(text: str) -> int:
-    """'512MiB', '2GB', '1073741824' → bytes."""
-    m = _SIZE.match(text)
-    if not m or (m.group(2) or "").lower() not in _MULT:
-        raise ServeError(f"--kv-memory: cannot parse size {text!r} (examples: 512MiB, 2GB, 1073741824)")
-    return int(float(m.group(1)) * _MULT[(m.group(2) or "").lower()])
-
-
-def format_size(n: int) -> str:
-    """Bytes in the largest binary unit that divides them: 268435456 → '256MiB' (parse_size reads it back)."""
-    for unit, mult in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult}{unit}"
-    return str(n)
+def kv_memory_bytes(text: str) -> int:
+    """``--kv-memory`` in bytes ('512MiB', '2GB', '1073741824')."""
+    try:
+        return parse_size(text, "--kv-memory")
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def engine_config_defaults():
@@ -81,7 +69,7 @@ def engine_config_from_args(args: argparse.Namespace):
     from serving.engine import EngineConfig
 
     try:
-        return EngineConfig(block_size=args.block_size, kv_memory_bytes=parse_size(args.kv_memory),
+        return EngineConfig(block_size=args.block_size, kv_memory_bytes=kv_memory_bytes(args.kv_memory),
                             num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
@@ -115,15 +103,7 @@ def register_cli(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register_cli(sub)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except LifecycleError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return main_with_subcommands("serving", register_cli, argv)
 
 
 if __name__ == "__main__":

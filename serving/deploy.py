@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from artifacts.common.cli import run_cli
 from artifacts.common.workdir import resolve_workdir
 from artifacts.errors import LifecycleError
 from serving.cli import ServeError, add_serve_arguments, engine_config_from_args
@@ -477,14 +478,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except LifecycleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_cli(build_parser(), argv)
 
 
 if __name__ == "__main__":

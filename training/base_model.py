@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -21,6 +18,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from artifacts.common.atomic import staged_directory
+from artifacts.common.device import pick_device
 from artifacts.digests import digest_json
 from artifacts.errors import LifecycleError
 from training.corpus import CorpusSpec, build_corpus
@@ -177,29 +176,15 @@ def ensure_base_model(config: BaseModelConfig, cache_root: Path | str | None = N
     target = root / config.digest()[:16]
     if _is_complete(target):
         return BaseModelBuild(target, cached=True, seconds=time.perf_counter() - start)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=root))
-    try:
+    # "keep": when two runs build the same base model at once, the first to finish wins; theirs is as good
+    # as ours (same config digest, same seed).
+    with staged_directory(target, if_exists="keep") as tmp:
         _train_into(config, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):  # someone else finished first: theirs is as good as ours
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return BaseModelBuild(target, cached=False, seconds=time.perf_counter() - start)
 
 
 def _is_complete(path: Path) -> bool:
     return (path / RECIPE_FILE).is_file() and (path / "model.safetensors").is_file()
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _lr_at(step: int, config: BaseModelConfig) -> float:
@@ -234,7 +219,7 @@ def _train_into(config: BaseModelConfig, out_dir: Path) -> None:
             bos_token_id=bos_id, eos_token_id=[end_id, eos_id], pad_token_id=tokenizer.pad_token_id,
             rms_norm_eps=1e-5,
         )
-        device = _pick_device(config.device)
+        device = pick_device(config.device)
         model = LlamaForCausalLM(model_config).to(device)
         log = _pretrain(model, stream, config, device)
 

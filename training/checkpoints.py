@@ -9,29 +9,17 @@ one from its newest complete checkpoint; a different fingerprint starts the stag
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from artifacts.common.atomic import atomic_write_json
 from artifacts.digests import digest_json, sha256_file
 
 MARKER_NAME = ".stage-complete.json"
 CHECKPOINTS_DIR = "checkpoints"
 FINGERPRINT_NAME = "fingerprint.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write to a temp file in the same directory, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True, default=str)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def model_dir_digest(model_dir: Path) -> str:
@@ -63,7 +51,7 @@ def read_marker(output_dir: Path) -> dict[str, Any] | None:
 
 
 def write_marker(output_dir: Path, fingerprint: str, extra: dict[str, Any] | None = None) -> None:
-    write_json_atomic(Path(output_dir) / MARKER_NAME, {"fingerprint": fingerprint, **(extra or {})})
+    atomic_write_json(Path(output_dir) / MARKER_NAME, {"fingerprint": fingerprint, **(extra or {})})
 
 
 def is_complete(output_dir: Path, fingerprint: str) -> bool:
@@ -114,7 +102,7 @@ def prepare_checkpoints(output_dir: Path, fingerprint: str) -> tuple[Path, Path 
             shutil.rmtree(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     if not fp_file.exists():
-        write_json_atomic(fp_file, {"fingerprint": fingerprint})
+        atomic_write_json(fp_file, {"fingerprint": fingerprint})
     return ckpt_dir, latest_checkpoint(ckpt_dir)
 
 

@@ -9,15 +9,13 @@ A user's own local files (via `training.loaders`) replace the generated SFT / pr
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from artifacts.common.atomic import staged_directory
 from artifacts.digests import digest_json, sha256_file
 from training.corpus import plain_sentence, task_fact
 from training.loaders import load_local_dataset, user_prompts
@@ -279,9 +277,7 @@ def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
 
 def _write(out_dir: Path, records: dict[str, list[dict[str, Any]]], config: DataConfig,
            dropped: dict[str, int]) -> DataManifest:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir, if_exists="replace") as tmp:
         for name in FILES:
             _write_jsonl(tmp / name, records[name])
         files = {name: sha256_file(tmp / name) for name in FILES}
@@ -289,16 +285,6 @@ def _write(out_dir: Path, records: dict[str, list[dict[str, Any]]], config: Data
         manifest = DataManifest(path=out_dir, config=asdict(config), counts=counts, files=files,
                                 digest=digest_json(files), dropped_heldout_overlap=dropped)
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
-        if out_dir.exists():
-            old = out_dir.parent / f".old-{out_dir.name}-{os.getpid()}"
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 

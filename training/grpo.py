@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from artifacts.common.stop_tokens import stop_token_ids
 from training.lora import keep_adapters_fp32
 from training.rewards import build_reward_functions
 from training.stage_config import GRPOStageConfig, StageResult, TrainingError
@@ -35,22 +36,13 @@ def _to_rows(records: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _eos_ids(ctx: StageContext) -> list[int]:
-    from transformers import GenerationConfig
-
-    eos = GenerationConfig.from_pretrained(str(ctx.model_dir)).eos_token_id
-    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if ctx.tokenizer.eos_token_id is not None and ctx.tokenizer.eos_token_id not in ids:
-        ids.append(ctx.tokenizer.eos_token_id)
-    return ids
-
-
 def _build_trainer(ctx: StageContext):
     from trl import GRPOConfig, GRPOTrainer
 
     cfg: GRPOStageConfig = ctx.config
+    stop_ids = stop_token_ids(ctx.model_dir, ctx.tokenizer)
     funcs, weights = build_reward_functions(cfg.correctness_weight, cfg.format_weight, cfg.length_penalty,
-                                            cfg.length_target_tokens, _eos_ids(ctx), cfg.partial_credit_weight,
+                                            cfg.length_target_tokens, stop_ids, cfg.partial_credit_weight,
                                             cfg.work_weight)
     args = GRPOConfig(
         **{**ctx.args, "remove_unused_columns": False},  # the rewards read the `answer`, `task`, `work` columns

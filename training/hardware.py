@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from artifacts.common.device import pick_device
 from training.stage_config import TrainingError
 
 __all__ = ["Hardware", "TrainingError", "check_4bit_support", "configure_threads", "detect_hardware",
@@ -29,9 +30,8 @@ class Hardware:
 
 def detect_hardware() -> Hardware:
     """CUDA if present (bf16 when the GPU supports it), else CPU in fp32 (CPUs without native bf16 emulate it)."""
-    if torch.cuda.is_available():
-        return Hardware(device="cuda", bf16=bool(torch.cuda.is_bf16_supported()))
-    return Hardware(device="cpu", bf16=False)
+    device = pick_device().type
+    return Hardware(device=device, bf16=device == "cuda" and bool(torch.cuda.is_bf16_supported()))
 
 
 def configure_threads() -> int:

@@ -6,13 +6,12 @@ weights read from `base_model_dir`, so no 4-bit rounding is baked into the resul
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from artifacts.common.atomic import staged_directory
 from training.stage_config import TrainingError
 
 # Files copied verbatim from the base so the merged dir keeps the exact tokenizer, chat template and stop ids.
@@ -40,20 +39,11 @@ def merge_adapter(adapter_dir: Path, base_model_dir: Path, output_dir: Path) -> 
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.config.dtype = torch.float32
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.merge-"))
-    try:
+    # "merge": the stage directory also holds the adapter and the logs; its completion marker says when
+    # the whole of it is done.
+    with staged_directory(output_dir, if_exists="merge") as tmp:
         merged.save_pretrained(str(tmp), safe_serialization=True)
         for name in _CARRIED_FILES:
             if (base_model_dir / name).is_file():
                 shutil.copy2(base_model_dir / name, tmp / name)
-        if not output_dir.exists():
-            os.replace(tmp, output_dir)
-        else:
-            for item in tmp.iterdir():
-                os.replace(item, output_dir / item.name)
-            tmp.rmdir()
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return output_dir

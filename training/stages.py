@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -18,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from artifacts.common.atomic import atomic_write_json, staged_directory
+from artifacts.common.mlflow_batch import log_batch
 from artifacts.digests import sha256_file
 from artifacts.jsonl import iter_jsonl
 from training.checkpoints import (
@@ -27,7 +28,6 @@ from training.checkpoints import (
     prepare_checkpoints,
     read_marker,
     stage_fingerprint,
-    write_json_atomic,
     write_marker,
 )
 from training.hardware import Hardware, TrainingError, configure_threads, detect_hardware, trainer_hardware_kwargs
@@ -194,7 +194,6 @@ def _log_mlflow(spec: StageSpec, config: Any, result: StageResult, data_digests:
                 artifacts: list[Path]) -> None:
     """Log into the active MLflow run (the flow's nested stage run); nothing when no run is active."""
     import mlflow
-    from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
     run = mlflow.active_run()
@@ -206,21 +205,11 @@ def _log_mlflow(spec: StageSpec, config: Any, result: StageResult, data_digests:
     # write-once, so an unprefixed key would clash.
     params[f"{spec.name}.output_dir"] = str(result.output_dir)
     params[f"{spec.name}.adapter_dir"] = str(result.adapter_dir)
-    now = int(time.time() * 1000)
-    metrics = []
-    for row in result.log_history:
-        step = int(row.get("step", 0))
-        for key, value in row.items():
-            if key in {"step", "epoch"} or not isinstance(value, (int, float)) or not math.isfinite(value):
-                continue
-            metrics.append(Metric(f"train/{key}", float(value), now, step))
-    metrics += [Metric(k, v, now, 0) for k, v in result.metrics.items() if math.isfinite(v)]
+    curve = [(f"train/{key}", value, int(row.get("step", 0))) for row in result.log_history
+             for key, value in row.items() if key not in {"step", "epoch"} and isinstance(value, int | float)]
+    curve += [(key, value, 0) for key, value in result.metrics.items()]
     client = MlflowClient()
-    param_list = [Param(k, str(v)[:6000]) for k, v in params.items()]
-    for i in range(0, len(param_list), 90):  # MLflow caps a batch at 100 params and 1000 metrics
-        client.log_batch(run.info.run_id, params=param_list[i:i + 90])
-    for i in range(0, len(metrics), 900):
-        client.log_batch(run.info.run_id, metrics=metrics[i:i + 900])
+    log_batch(run.info.run_id, metrics=curve, params=params, client=client)
     client.set_tag(run.info.run_id, "training.stage", spec.name)
     client.set_tag(run.info.run_id, "training.output_dir", str(result.output_dir))
     for path in artifacts:
@@ -290,11 +279,8 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     history = list(trainer.state.log_history)
 
     adapter_dir = output_dir / "adapter"
-    tmp_adapter = output_dir / ".adapter.tmp"
-    shutil.rmtree(tmp_adapter, ignore_errors=True)
-    trainer.model.save_pretrained(str(tmp_adapter))
-    shutil.rmtree(adapter_dir, ignore_errors=True)
-    os.replace(tmp_adapter, adapter_dir)
+    with staged_directory(adapter_dir, if_exists="replace") as staging:
+        trainer.model.save_pretrained(str(staging))
     del trainer, model
     merge_adapter(adapter_dir, model_dir, output_dir)  # onto the unquantized input weights, also for QLoRA
 
@@ -309,9 +295,9 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
 
     result = StageResult(stage=spec.name, output_dir=output_dir, adapter_dir=adapter_dir, metrics=metrics,
                          log_history=history, resumed_from_step=resumed_from_step)
-    write_json_atomic(output_dir / LOG_NAME, history)
+    atomic_write_json(output_dir / LOG_NAME, history)
     _log_mlflow(spec, config, result, data_digests, [output_dir / LOG_NAME, *ctx.artifacts])
     shutil.rmtree(output_dir / CHECKPOINTS_DIR, ignore_errors=True)
-    write_json_atomic(output_dir / RESULT_NAME, result.to_dict())
+    atomic_write_json(output_dir / RESULT_NAME, result.to_dict())
     write_marker(output_dir, fingerprint, {"stage": spec.name, "data": data_digests})  # last: the stage is done
     return result

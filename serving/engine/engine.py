@@ -8,7 +8,6 @@ forward pass and returns the outputs of that step.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -17,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from artifacts.common.stop_tokens import stop_token_ids
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
@@ -38,17 +38,6 @@ class _StepResult:
     flags: list[bool]
     prompt_records: dict[int, list[dict[int, float]]]  # scheduled index -> new prompt logprob records
     sampled: dict[int, tuple[int, dict[int, float] | None]]  # scheduled index -> (token, logprob record)
-
-
-def _eos_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    gc = model_dir / "generation_config.json"
-    if gc.is_file():
-        v = json.loads(gc.read_text()).get("eos_token_id")
-        ids |= set(v if isinstance(v, list) else [v] if v is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
 
 
 class LLMEngine:
@@ -90,7 +79,7 @@ class LLMEngine:
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         except (OSError, ValueError):
             tokenizer = None  # token-id-only serving
-        return cls(runner, tokenizer, config, _eos_ids(model_dir, tokenizer), sampling_defaults)
+        return cls(runner, tokenizer, config, frozenset(stop_token_ids(model_dir, tokenizer)), sampling_defaults)
 
     # ----------------------------------------------------------------- requests
     def encode(self, prompt: str) -> list[int]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from artifacts.common.device import pick_device
 from serving.engine import attention, cpu_kernels
 from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, bucket_by_length
 from serving.engine.config import EngineConfig
@@ -24,12 +25,6 @@ from serving.engine.scheduler import ScheduledSeq
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 @dataclass

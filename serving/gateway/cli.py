@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from artifacts.errors import LifecycleError
+from artifacts.common.cli import main_with_subcommands
 
 
 def register_cli(subparsers) -> None:
@@ -98,17 +98,10 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m serving.gateway.cli CONFIG`` or ``python -m serving.gateway.cli gateway-keys add ...``."""
-    parser = argparse.ArgumentParser(prog="gateway")
-    register_cli(parser.add_subparsers(dest="command", required=True))
     argv = list(argv if argv is not None else sys.argv[1:])
     if argv and argv[0] not in ("gateway", "gateway-keys"):
         argv = ["gateway", *argv]
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except LifecycleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return main_with_subcommands("gateway", register_cli, argv)
 
 
 if __name__ == "__main__":

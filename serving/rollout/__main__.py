@@ -11,28 +11,28 @@ import argparse
 import logging
 import sys
 
-from artifacts.errors import LifecycleError
+from artifacts.common.cli import main_with_subcommands
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serving.rollout")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run (or resume) the rollout in DIR until it ends")
-    run.add_argument("dir")
-    run.add_argument("--max-seconds", type=float, default=None, help="give up waiting after this long")
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("httpx", "mlflow", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    return main_with_subcommands("python -m serving.rollout", _register, argv)
+
+
+def _register(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="run (or resume) the rollout in DIR until it ends")
+    run.add_argument("dir")
+    run.add_argument("--max-seconds", type=float, default=None, help="give up waiting after this long")
+    run.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
     from serving.rollout.controller import Controller
 
-    try:
-        controller = Controller(args.dir, say=lambda line: print(line, flush=True))
-        state = controller.run_until_done(args.max_seconds)
-    except LifecycleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return exit_status(state.phase)
+    controller = Controller(args.dir, say=lambda line: print(line, flush=True))
+    return exit_status(controller.run_until_done(args.max_seconds).phase)
 
 
 def exit_status(phase: str) -> int:

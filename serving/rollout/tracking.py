@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from artifacts.common.mlflow_batch import log_batch
 from artifacts.errors import RegistryError
 
 EXPERIMENT = "rollouts"
@@ -50,12 +50,7 @@ class RolloutRun:
         return self.run_id
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
-        for i in range(0, len(batch), 1000):  # MLflow's batch limit
-            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+        log_batch(self.run_id, metrics=metrics, step=step, client=self.client)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for key, value in tags.items():

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.cli import ServeError, cmd_serve, engine_config_from_args, main, parse_size, register_cli
+from serving.cli import ServeError, cmd_serve, engine_config_from_args, kv_memory_bytes, main, register_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,12 +28,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def test_parse_size():
-    assert parse_size("512MiB") == 512 * 1024 ** 2
-    assert parse_size("2GB") == 2_000_000_000
-    assert parse_size("4096") == 4096
-    with pytest.raises(ServeError, match="--kv-memory"):
-        parse_size("lots")
+def test_kv_memory_flag_reads_sizes_and_names_itself_when_it_cannot():
+    assert kv_memory_bytes("512MiB") == 512 * 1024 ** 2
+    with pytest.raises(ServeError, match="--kv-memory: cannot parse size 'lots'"):
+        kv_memory_bytes("lots")
 
 
 def test_serve_arguments_map_to_engine_config(tmp_path):
@@ -136,7 +134,7 @@ def test_serve_flag_defaults_are_engine_config_defaults(tmp_path):
     for flag in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue", "max_model_len", "num_blocks",
                  "dtype", "device", "threads"):
         assert getattr(args, flag) == getattr(defaults, flag), flag
-    assert parse_size(args.kv_memory) == defaults.kv_memory_bytes
+    assert kv_memory_bytes(args.kv_memory) == defaults.kv_memory_bytes
 
 
 def _start_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
