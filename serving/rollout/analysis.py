@@ -112,6 +112,11 @@ def agreement_verdict(window: dict, champion_version: str, candidate_version: st
                            label="disagreement")
 
 
+def is_behaviour_gate(gate: str) -> bool:
+    """The gates judged on probes and on the offline eval record (not on the window's traffic)."""
+    return gate.startswith("probe_") or gate == "eval_record"
+
+
 def probe_verdicts(probes: dict[str, Any] | None, gates: Gates, alpha: float) -> list[Verdict]:
     if not probes:
         return []

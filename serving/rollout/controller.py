@@ -218,7 +218,7 @@ class Controller:
             else:
                 verdicts += A.systems_verdicts(window, ("canary", spec.candidate_version), champ, self.plan.gates,
                                                self.alpha, step.min_requests, streamed=True)
-            if not any(a["phase"] != BASELINE for a in state.analyses):  # once per rollout
+            if not self._behaviour_settled():
                 verdicts += self._behaviour_verdicts()
             candidate_variant = ("shadow" if state.phase == SHADOW else "canary", spec.candidate_version)
             result = Analysis(look, state.phase, state.weight, state.phase_started_at, now, verdicts,
@@ -245,6 +245,19 @@ class Controller:
         return Analysis(look, BASELINE, 0.0, self.state.phase_started_at, now, [verdict],
                         {"noise_floor.agreement": agreement or 0.0, "noise_floor.pairs": counts["compared"]},
                         window.get("disagreements", []))
+
+    def _behaviour_settled(self) -> bool:
+        """Whether the probes and the offline record have passed at some look of this rollout.
+
+        They are judged at every look until they pass, then not again (the probes run at temperature 0, so
+        a passed probe set would only pass again). Judging them once per rollout would let a verdict that
+        was inconclusive at the first look vanish from the next one: a silent pass.
+        """
+        for analysis in self.state.analyses:
+            behaviour = [v for v in analysis["verdicts"] if A.is_behaviour_gate(v["gate"])]
+            if behaviour and all(v["outcome"] == PASS for v in behaviour):
+                return True
+        return False
 
     def _behaviour_verdicts(self) -> list:
         spec = self.state.spec

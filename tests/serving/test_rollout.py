@@ -210,3 +210,24 @@ def test_no_traffic_is_inconclusive_and_pauses_never_passes(tmp_path, tiny_model
         assert "too few samples" in state.reason and "after 1 extension" in state.reason
         assert [d["kind"] for d in state.decisions if d["kind"] == "extend"] == ["extend"]
         assert _aliases(registry.tracking_uri)["canary"] == registry.versions["a2"]  # traffic held, not rolled back
+
+
+def test_an_inconclusive_behaviour_gate_is_judged_again_at_the_next_look_never_dropped(tmp_path, tiny_model_dir):
+    """The candidate has no offline eval record (its gates never ran): `eval_record` is inconclusive at the
+    first shadow look and must still be at the extension's look, so the rollout pauses for a person instead
+    of walking into canary on traffic gates alone."""
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    client = MlflowClient(registry.tracking_uri)
+    client.delete_model_version_tag(MODEL, registry.versions["a2"], "lifecycle.gates_passed")
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+        controller = Controller.create(tmp_path / "rollout",
+                                       spec_for(f, registry, "a", "a2", fast_plan(max_extensions=1)))
+        state, _ = _run_with_traffic(f, controller, seconds=40)
+        assert state.phase == "paused", state.reason
+        assert "eval_record" in state.reason and "after 1 extension" in state.reason
+        shadow_looks = [a for a in state.analyses if a["phase"] == "shadow"]
+        assert len(shadow_looks) == 2
+        for look in shadow_looks:
+            (verdict,) = [v for v in look["verdicts"] if v["gate"] == "eval_record"]
+            assert verdict["outcome"] == "inconclusive"
+        assert "canary" not in _aliases(registry.tracking_uri)
