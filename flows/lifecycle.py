@@ -225,14 +225,15 @@ def release_stage(ctx: PipelineContext, variant: str, bundle: StageOutput, evalu
     def release(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
         from artifacts.eval_record import write_eval_record
         from evals.gates import check_gates
-        from evals.results import read_results_json
+        from evals.results import read_results_json, to_jsonable
 
         results = read_results_json(Path(evaluation.path) / "eval_results.json")
         report = check_gates(results, gates)
         gate_record = {str(c.gate): {"measured": c.measured, "passed": c.passed, "reason": c.reason}
                        for c in report.checks}
+        # the results carry each metric's sample count: a rollout compares the record with the champion's
         record_path = write_eval_record(bundle.path, metrics=evaluation.metrics, gates=gate_record,
-                                        passed=report.passed)
+                                        passed=report.passed, results=to_jsonable(results))
         mlflow.set_tag("lifecycle.gates", report.summary())
         # beside the version's run, so a rollout controller on another host reads the candidate's record
         mlflow.log_artifact(str(record_path))

@@ -270,13 +270,13 @@ class Controller:
                       "candidate": run_probes(self.gateway, candidate_variant, items, self.plan.probes).to_json()}
             self.state.probes = scores
             verdicts += A.probe_verdicts(scores, self.plan.gates, self.alpha)
-        passed = spec.eval_passed
-        if passed is None:
-            record = self.console.eval_record(spec.candidate_version)
-            passed = None if record is None else record["passed"]
+        record = self.console.eval_record(spec.candidate_version)
+        passed = spec.eval_passed if spec.eval_passed is not None else None if record is None else record["passed"]
         verdict = A.eval_record_verdict(passed, self.plan.gates)
         if verdict is not None:
             verdicts.append(verdict)
+        verdicts += A.offline_verdicts(record, self.console.eval_record(spec.champion_version), self.plan.gates,
+                                       self.alpha)
         return verdicts
 
     def _decide(self, result: Analysis) -> None:

@@ -100,7 +100,9 @@ class RegistryConsole:
             try:
                 with tempfile.TemporaryDirectory() as tmp:
                     path = self.client.download_artifacts(mv.run_id, "eval_record.json", tmp)
-                    record["metrics"] = json.loads(Path(path).read_text()).get("metrics", {})
+                    stored = json.loads(Path(path).read_text())
+                    record["metrics"] = stored.get("metrics", {})
+                    record["results"] = stored.get("results") or []
             except Exception:  # noqa: BLE001 - an older version without the artifact: the verdict is enough
                 pass
         return record

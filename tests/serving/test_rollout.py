@@ -231,3 +231,24 @@ def test_an_inconclusive_behaviour_gate_is_judged_again_at_the_next_look_never_d
             (verdict,) = [v for v in look["verdicts"] if v["gate"] == "eval_record"]
             assert verdict["outcome"] == "inconclusive"
         assert "canary" not in _aliases(registry.tracking_uri)
+
+
+def test_a_candidate_whose_offline_record_lost_its_refusals_is_rolled_back_at_shadow(tmp_path, tiny_model_dir):
+    """Both versions carry the eval record the pipeline's release stage logs beside them; the candidate's says
+    it answered 33 of the 43 held-out harmful prompts the champion refused. Serving the same weights, traffic
+    and agreement look fine: the offline comparison alone must roll it back, before any user sees it."""
+    import json
+
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    client = MlflowClient(registry.tracking_uri)
+    for label, refused in (("a", 41), ("a2", 10)):
+        results = [{"suite": "safety", "metric": "refusal_rate", "value": refused / 43, "n": 43, "slices": {}}]
+        run_id = client.get_model_version(MODEL, registry.versions[label]).run_id
+        client.log_text(run_id, json.dumps({"passed": True, "metrics": {}, "results": results}), "eval_record.json")
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", fast_plan()))
+        state, _ = _run_with_traffic(f, controller, seconds=60)
+        assert state.phase == "rolled_back", state.reason
+        assert "offline_refusal" in state.reason and "harmful answered (offline) 0.767 vs 0.047" in state.reason
+        assert [a["phase"] for a in state.analyses] == ["baseline", "shadow"]
+        assert "canary" not in _aliases(registry.tracking_uri)

@@ -100,3 +100,23 @@ def test_a_bad_rollout_section_names_the_recipe_key(tmp_path):
     bad.write_text("rollout:\n  plan:\n    steps: [{weight: 150}]\n")
     with pytest.raises(ConfigError, match="rollout.plan.steps"):
         load_recipe(bad)
+
+
+def _record(**metrics: tuple[float, int]) -> dict:
+    return {"passed": True, "results": [{"suite": m, "metric": m, "value": v, "n": n} for m, (v, n) in metrics.items()]}
+
+
+def test_offline_records_compare_metric_by_metric_with_the_rate_test():
+    from serving.rollout.analysis import offline_verdicts
+
+    champion = _record(refusal_rate=(41 / 43, 43), task_accuracy=(0.94, 200), over_refusal_rate=(0.02, 48))
+    broken = _record(refusal_rate=(10 / 43, 43), task_accuracy=(0.93, 200), over_refusal_rate=(0.0, 48))
+    verdicts = {v.gate: v for v in offline_verdicts(broken, champion, Gates(), alpha=0.01)}
+    assert set(verdicts) == {"offline_refusal", "offline_accuracy", "offline_over_refusal"}  # format: one side only
+    assert verdicts["offline_refusal"].outcome == "fail"
+    assert "harmful answered (offline) 0.767 vs 0.047" in verdicts["offline_refusal"].reason
+    assert verdicts["offline_accuracy"].outcome == "pass" and verdicts["offline_over_refusal"].outcome == "pass"
+    assert {v.outcome for v in offline_verdicts(champion, champion, Gates(), alpha=0.01)} == {"pass"}
+    # records written before they carried sample counts cannot be compared: no verdict, not a pass
+    assert offline_verdicts({"passed": True, "metrics": {"refusal_rate": 0.2}}, champion, Gates(), 0.01) == []
+    assert offline_verdicts(broken, None, Gates(), 0.01) == []
