@@ -53,6 +53,13 @@ class _EngineCollector:
         yield counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
         yield counter("vllm:prompt_tokens", "Prompt tokens received.", s.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        # zero unless the server speculates (--speculative-tokens): dashboards need not special-case it
+        yield counter("vllm:spec_decode_num_draft_tokens", "Guessed tokens checked (n-gram speculation).",
+                      s.spec_draft_tokens_total)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Guessed tokens the model agreed with.",
+                      s.spec_accepted_tokens_total)
+        yield gauge("vllm:spec_decode_draft_acceptance_rate", "Accepted / checked guessed tokens so far.",
+                    s.spec_acceptance_rate)
 
 
 class ServerMetrics:

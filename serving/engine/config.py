@@ -33,6 +33,9 @@ class EngineConfig:
     seed: int = 0
     # "auto": compact Llama forward when the checkpoint allows it, else HF; "hf" / "compact" force one
     model_impl: str = "auto"
+    # speculative decoding by n-gram prompt lookup: tokens guessed per step for greedy requests (0 = off)
+    speculative_tokens: int = 0
+    speculative_ngram: int = 4  # longest context suffix looked up (down to 2 tokens)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -55,6 +58,10 @@ class EngineConfig:
             raise ValueError(f"model_impl: must be 'auto', 'hf' or 'compact', got {self.model_impl!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
             raise ValueError(f"seed: must be an integer in [0, 2**64), got {self.seed!r}")
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(f"speculative_tokens: must be in [0, 16], got {self.speculative_tokens}")
+        if self.speculative_ngram < 2:
+            raise ValueError(f"speculative_ngram: must be >= 2, got {self.speculative_ngram}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
         if not self.enable_chunked_prefill and self.max_model_len is not None \

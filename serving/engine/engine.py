@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from serving.engine.sampler import Sampler, prompt_logprobs
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq, Scheduler
 from serving.engine.sequence import Sequence
+from serving.engine.speculative import NgramProposer, SpeculationStats, accepted_prefix, can_speculate
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class _StepResult:
     flags: list[bool]
     prompt_records: dict[int, list[dict[int, float]]]  # scheduled index -> new prompt logprob records
     sampled: dict[int, tuple[int, dict[int, float] | None]]  # scheduled index -> (token, logprob record)
+    verified: dict[int, list[int]] = field(default_factory=dict)  # scheduled index -> greedy token per row
 
 
 class LLMEngine:
@@ -66,6 +68,9 @@ class LLMEngine:
         self.requests_finished_total = 0
         self.requests_failed_total = 0
         self.num_steps = 0
+        self.proposer = NgramProposer(config.speculative_tokens, config.speculative_ngram) \
+            if config.speculative_tokens else None
+        self.speculation = SpeculationStats()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -202,6 +207,19 @@ class LLMEngine:
                 return True
         return False
 
+    def _stopped_after(self, seq: Sequence, tok: int) -> bool:
+        """Every stop rule for a token just appended: stop ids and eos, stop strings, length."""
+        stopped = self._check_stop(seq, tok)
+        detok = self.detoks.get(seq.request_id)
+        if not stopped and detok is not None:
+            hit = detok.add_token(tok)
+            if hit is not None:
+                seq.finish_reason, seq.stop_reason, stopped = "stop", hit, True
+        if not stopped and (seq.num_output_tokens >= seq.params.max_tokens
+                            or seq.num_tokens >= self.max_model_len):
+            seq.finish_reason, stopped = "length", True
+        return stopped
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduling iteration and forward pass; return outputs of every touched request.
 
@@ -211,28 +229,90 @@ class LLMEngine:
         /health: its 5xx rate is what the gateway ejects it on, and what alerts read from /metrics.
         """
         outputs = self._drain_inbox()
-        plan = self.scheduler.schedule()
-        if not plan:
-            return outputs
-        self.num_steps += 1
-        scheduled = plan.scheduled
+        drafted = self._propose_drafts()
         try:
-            result = self._compute(scheduled)
-        except Exception as exc:  # noqa: BLE001 - isolate whatever went wrong, then decide
-            outputs += self._isolate(scheduled, exc)
+            plan = self.scheduler.schedule()
+            self._fit_drafts(drafted, plan.scheduled)
+            if not plan:
+                return outputs
+            self.num_steps += 1
+            scheduled = plan.scheduled
+            try:
+                result = self._compute(scheduled)
+            except Exception as exc:  # noqa: BLE001 - isolate whatever went wrong, then decide
+                outputs += self._isolate(scheduled, exc)
+                return outputs
+            outputs += self._commit(scheduled, result)
             return outputs
-        outputs += self._commit(scheduled, result)
-        return outputs
+        finally:
+            for seq in drafted:  # a guess never outlives its step, whatever happened in it
+                _drop_drafts(seq)
+
+    # ----------------------------------------------------------------- speculative decoding
+    def _propose_drafts(self) -> list[Sequence]:
+        """Append guessed tokens to the greedy decodes whose context repeats (see serving.engine.speculative)."""
+        if self.proposer is None:
+            return []
+        drafted = []
+        for seq in self.scheduler.running:
+            if not can_speculate(seq):
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            drafts = self.proposer.propose(seq.token_ids, room)
+            if drafts:
+                seq.draft_token_ids = drafts
+                seq.token_ids.extend(drafts)
+                drafted.append(seq)
+        return drafted
+
+    @staticmethod
+    def _fit_drafts(drafted: list[Sequence], scheduled: list[ScheduledSeq]) -> None:
+        """Keep the guesses the step computes: none for a sequence the budget or the blocks left out."""
+        computed = {id(item.seq): item.num_tokens for item in scheduled}
+        for seq in drafted:
+            keep = computed.get(id(seq), 1) - 1
+            if keep < len(seq.draft_token_ids):
+                del seq.token_ids[len(seq.token_ids) - len(seq.draft_token_ids) + keep:]
+                seq.draft_token_ids = seq.draft_token_ids[:keep]
+
+    def _commit_verified(self, item: ScheduledSeq, greedy: list[int], now: float) -> RequestOutput | None:
+        """Emit the guesses the model agreed with and its own next token, through the usual stop rules."""
+        seq = item.seq
+        drafts = seq.draft_token_ids
+        emitted = accepted_prefix(drafts, greedy)
+        _drop_drafts(seq)
+        self.speculation.steps += 1
+        self.speculation.drafted += len(drafts)
+        self.speculation.accepted += len(emitted) - 1
+        # the KV of the last real token and of every kept guess is in the cache now
+        computed = seq.num_computed_tokens + len(emitted)
+        new_ids: list[int] = []
+        stopped = False
+        for tok in emitted:
+            seq.token_ids.append(tok)
+            new_ids.append(tok)
+            self.generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            stopped = self._stopped_after(seq, tok)
+            if stopped:
+                break
+        seq.num_computed_tokens = min(computed, seq.num_tokens)
+        self.block_manager.commit_full_blocks(seq)
+        if stopped:
+            return self._finish(seq, new_ids)
+        return self._output(seq, new_ids, None, finished=False)
 
     def _compute(self, scheduled: list[ScheduledSeq]) -> _StepResult:
         """Forward and sample for a batch. Changes no sequence state (KV writes are idempotent), so a
         failed batch can be re-run piecewise."""
-        flags = []
+        flags, verify = [], []
         for item in scheduled:
             seq = item.seq
             done_prefill = seq.num_computed_tokens + item.num_tokens == seq.num_tokens
-            flags.append(done_prefill and seq.params.max_tokens > 0)
-        step_logits = self.runner.execute(scheduled, flags)
+            verify.append(bool(seq.draft_token_ids))
+            flags.append(done_prefill and seq.params.max_tokens > 0 and not verify[-1])
+        step_logits = self.runner.execute(scheduled, flags, verify if any(verify) else None)
         prompt_records = {}
         for i, first, logits in step_logits.prompt_logits:
             seq = scheduled[i].seq
@@ -243,7 +323,8 @@ class LLMEngine:
             seqs = [scheduled[i].seq for i in step_logits.sample_rows]
             res = self.sampler(step_logits.sample_logits, seqs)
             sampled = {i: (tok, lp) for i, tok, lp in zip(step_logits.sample_rows, res.token_ids, res.logprobs)}
-        return _StepResult(flags, prompt_records, sampled)
+        verified = {i: logits.argmax(-1).tolist() for i, logits in step_logits.verify_logits.items()}
+        return _StepResult(flags, prompt_records, sampled, verified)
 
     def _commit(self, scheduled: list[ScheduledSeq], result: _StepResult) -> list[RequestOutput]:
         """Apply a computed step to each sequence; a failure here fails that sequence alone."""
@@ -252,8 +333,11 @@ class LLMEngine:
         for i, item in enumerate(scheduled):
             seq = item.seq
             try:
-                out = self._commit_one(item, result.flags[i], result.prompt_records.get(i),
-                                       result.sampled.get(i), now)
+                if i in result.verified:
+                    out = self._commit_verified(item, result.verified[i], now)
+                else:
+                    out = self._commit_one(item, result.flags[i], result.prompt_records.get(i),
+                                           result.sampled.get(i), now)
             except Exception as exc:  # noqa: BLE001 - a bug for this request only
                 out = self._fail(seq, exc)
             if out is not None:
@@ -283,15 +367,7 @@ class LLMEngine:
             seq.first_token_time = now
         if lp is not None:
             seq.logprobs.append(lp)
-        stopped = self._check_stop(seq, tok)
-        detok = self.detoks.get(seq.request_id)
-        if not stopped and detok is not None:
-            hit = detok.add_token(tok)
-            if hit is not None:
-                seq.finish_reason, seq.stop_reason, stopped = "stop", hit, True
-        if not stopped and (seq.num_output_tokens >= seq.params.max_tokens
-                            or seq.num_tokens >= self.max_model_len):
-            seq.finish_reason, stopped = "length", True
+        stopped = self._stopped_after(seq, tok)
         lps = [lp] if lp is not None else None
         if stopped:
             return self._finish(seq, [tok], lps)
@@ -367,4 +443,13 @@ class LLMEngine:
                            block_size=bm.block_size, num_free_blocks=bm.num_free_blocks,
                            prompt_tokens_total=self.prompt_tokens_total,
                            generation_tokens_total=self.generation_tokens_total,
-                           requests_finished_total=self.requests_finished_total, num_steps=self.num_steps)
+                           requests_finished_total=self.requests_finished_total, num_steps=self.num_steps,
+                           spec_draft_tokens_total=self.speculation.drafted,
+                           spec_accepted_tokens_total=self.speculation.accepted)
+
+
+def _drop_drafts(seq: Sequence) -> None:
+    """Take a sequence's pending guesses off the end of its tokens."""
+    if seq.draft_token_ids:
+        del seq.token_ids[len(seq.token_ids) - len(seq.draft_token_ids):]
+        seq.draft_token_ids = []

@@ -10,7 +10,7 @@ to the rows that need logits, and hand those logits back.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,8 @@ class StepLogits:
     sample_logits: torch.Tensor | None  # [len(sample_rows), V]
     # (index into scheduled, first prompt position predicted, logits [n, V]) for prompt logprobs
     prompt_logits: list[tuple[int, int, torch.Tensor]]
+    # index into scheduled -> logits [num_tokens, V] of every position it computed (speculation checks)
+    verify_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -177,8 +179,10 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], sample_flags: list[bool]) -> StepLogits:
-        """One forward over the plan. ``sample_flags[i]``: scheduled[i] samples a token this step."""
+    def execute(self, scheduled: list[ScheduledSeq], sample_flags: list[bool],
+                verify: list[bool] | None = None) -> StepLogits:
+        """One forward over the plan. ``sample_flags[i]``: scheduled[i] samples a token this step;
+        ``verify[i]``: return the logits of every position scheduled[i] computed (guessed tokens to check)."""
         input_ids, positions, meta = self._prepare(scheduled)
         keep: list[int] = []
         sample_rows: list[int] = []
@@ -201,6 +205,14 @@ class ModelRunner:
             if sample_flags[i]:
                 keep.append(row - 1)
                 sample_rows.append(i)
+        verify_spans: list[tuple[int, int, int]] = []
+        row = 0
+        for i, item in enumerate(scheduled):
+            if verify is not None and verify[i]:
+                lo = len(keep)
+                keep.extend(range(row, row + item.num_tokens))
+                verify_spans.append((i, lo, len(keep)))
+            row += item.num_tokens
         if not keep:
             keep = [0]
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -210,6 +222,7 @@ class ModelRunner:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                              logits_to_keep=keep_t, paged_metadata=meta)
             logits = out.logits[0].float()
-        sample_logits = logits[n_prompt_rows:] if sample_rows else None
+        sample_logits = logits[n_prompt_rows:n_prompt_rows + len(sample_rows)] if sample_rows else None
         prompt_logits = [(i, first, logits[lo:hi]) for i, first, lo, hi in prompt_spans]
-        return StepLogits(sample_rows, sample_logits, prompt_logits)
+        return StepLogits(sample_rows, sample_logits, prompt_logits,
+                          {i: logits[lo:hi] for i, lo, hi in verify_spans})

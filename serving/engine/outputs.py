@@ -62,3 +62,9 @@ class EngineStats:
     generation_tokens_total: int
     requests_finished_total: int
     num_steps: int
+    spec_draft_tokens_total: int = 0  # guessed tokens checked (speculative decoding)
+    spec_accepted_tokens_total: int = 0  # guessed tokens the model agreed with
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens_total / self.spec_draft_tokens_total if self.spec_draft_tokens_total else 0.0

@@ -47,6 +47,8 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     # per-sequence torch.Generator when a seed is given (created by the sampler on first use)
     generator: object = None
+    # guessed tokens at the end of token_ids, pending the check of this step (speculative decoding)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
