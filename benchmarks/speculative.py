@@ -1,0 +1,183 @@
+"""Speculative decoding through HTTP: batch-1 tokens/s with and without ``--speculative-tokens``.
+
+Users meet speculation where they meet the server, so this measures it there: two ``lifecycle serve``
+processes on the same model with the same thread budget, one plain and one with n-gram speculation,
+driven alternately by one streaming client at concurrency 1 (where speculation pays: a lone decode step
+reads every weight for one token). Two workloads, greedy, ``ignore_eos``:
+
+- **repeats its context**: a prompt P, the model's own greedy continuation C of P, then P again
+  (``P C P``), as when a user asks to rewrite or quote a text: the reply after the second P largely
+  re-reads what followed the first one;
+- **fresh**: P alone, where there is little to look up (speculation must not cost anything there).
+
+For each request the replies of the two servers are compared (they must be identical: greedy output token
+for token), and tokens/s is completion tokens over the time from sending to the last streamed token. The
+table gives medians over the prompts, the ratio speculative/plain, and the acceptance rate from /metrics.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/speculative.py --model .lifecycle/models/base/ID
+
+``--model`` is any Hugging Face model directory or bundle (default: the pretrained embedded ``micro`` base,
+built first if missing). Everything the servers print goes to log files in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.gateway import SERVED_NAME, BenchError, Child, free_port, machine_facts, wait_ready  # noqa: E402
+
+SEEDS = ["The quick brown fox", "Once upon a time there was", "Hello, how are you", "The park was full of",
+         "My favourite colour is", "Yesterday I went to", "The best way to learn is", "In the morning we"]
+
+
+@dataclass
+class Reply:
+    text: str
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def stream_completion(url: str, prompt: str, max_tokens: int) -> Reply:
+    import httpx
+
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    parts: list[str] = []
+    tokens = 0
+    started = time.perf_counter()
+    last = started
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
+        if response.status_code != 200:
+            raise BenchError(f"{url}: HTTP {response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                parts.append(event["choices"][0].get("text", ""))
+                last = time.perf_counter()
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return Reply("".join(parts), tokens, last - started)
+
+
+def scrape_acceptance(url: str) -> tuple[float, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+               for s in f.samples}
+    return (samples.get("vllm:spec_decode_num_draft_tokens_total", 0.0),
+            samples.get("vllm:spec_decode_num_accepted_tokens_total", 0.0))
+
+
+def start_server(name: str, model: Path, threads: int, speculative_tokens: int, logs: Path) -> tuple[Child, str]:
+    port = free_port()
+    env = dict(os.environ)
+    child = Child(name, [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
+                         "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
+                         "--speculative-tokens", str(speculative_tokens)], logs / f"{name}.log", env)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(child, url, timeout_s=300)
+    return child, url
+
+
+def default_model() -> Path:
+    from training.base_model import BaseModelConfig, build_base_model
+
+    return build_base_model(BaseModelConfig(preset="micro"))
+
+
+def bench(args: argparse.Namespace, plain: str, spec: str) -> dict:
+    prompts = SEEDS[:args.prompts]
+    for url in (plain, spec):  # warm-up: kernels, allocator
+        stream_completion(url, "warm up", 8)
+    workloads: dict[str, list[str]] = {"fresh": prompts}
+    workloads["repeats its context"] = [p + stream_completion(plain, p, args.max_tokens).text + "\n" + p
+                                        for p in prompts]
+    results: dict[str, dict] = {}
+    for name, texts in workloads.items():
+        before = scrape_acceptance(spec)
+        rates: dict[str, list[float]] = {"plain": [], "speculative": []}
+        identical = 0
+        for i, text in enumerate(texts):
+            order = [("plain", plain), ("speculative", spec)]
+            replies = {}
+            for label, url in order if i % 2 == 0 else order[::-1]:  # alternate who goes first
+                replies[label] = stream_completion(url, text, args.max_tokens)
+                rates[label].append(replies[label].tokens_per_s)
+            identical += replies["plain"].text == replies["speculative"].text
+        drafted, accepted = (a - b for a, b in zip(scrape_acceptance(spec), before))
+        results[name] = {"plain_tok_s": statistics.median(rates["plain"]),
+                         "spec_tok_s": statistics.median(rates["speculative"]),
+                         "ratio": statistics.median(s / p for s, p in zip(rates["speculative"], rates["plain"])),
+                         "acceptance": accepted / drafted if drafted else 0.0,
+                         "identical": f"{identical}/{len(texts)}"}
+    return results
+
+
+def report(args: argparse.Namespace, model: Path, results: dict) -> str:
+    lines = [f"model `{model}`, {args.threads} thread(s), --speculative-tokens {args.tokens}, "
+             f"{args.prompts} prompts x {args.max_tokens} tokens, batch 1; {machine_facts()}", "",
+             "| workload | plain tok/s | speculative tok/s | × plain | acceptance | identical replies |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['ratio']:.2f} | "
+                     f"{r['acceptance']:.2f} | {r['identical']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="model or bundle dir (default: embedded micro)")
+    parser.add_argument("--tokens", type=int, default=4, help="--speculative-tokens of the second server")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=8, help=f"at most {len(SEEDS)}")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = parser.parse_args()
+    try:
+        model = args.model or default_model()
+        if not (model / "config.json").is_file():
+            raise BenchError(f"{model}: not a model directory (config.json missing)")
+        with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
+            children = []
+            try:
+                plain, plain_url = start_server("plain", model, args.threads, 0, Path(tmp))
+                children.append(plain)
+                spec, spec_url = start_server("speculative", model, args.threads, args.tokens, Path(tmp))
+                children.append(spec)
+                results = bench(args, plain_url, spec_url)
+            finally:
+                for child in children:
+                    child.terminate()
+                for child in children:
+                    child.stop()
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report(args, model, results))
+    if args.out:
+        args.out.write_text(json.dumps({"model": str(model), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
