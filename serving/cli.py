@@ -59,6 +59,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=list(dtypes))
     p.add_argument("--device", default=d.device)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default: torch's choice)")
+    p.add_argument("--model-impl", default=d.model_impl, choices=["auto", "hf", "compact"],
+                   help="forward pass: the compact Llama path when the checkpoint allows it (GPTQ/AWQ "
+                        "snapshots are dequantized for it), or the Hugging Face one (default: %(default)s)")
     p.add_argument("--speculative-tokens", type=int, default=d.speculative_tokens,
                    help="n-gram speculative decoding: tokens guessed per step from the context, for greedy "
                         "requests (0 = off; try 4) (default: %(default)s)")
@@ -78,7 +81,7 @@ def engine_config_from_args(args: argparse.Namespace):
                             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                             enable_chunked_prefill=not args.no_chunked_prefill, dtype=args.dtype,
                             device=args.device, threads=args.threads,
-                            speculative_tokens=args.speculative_tokens)
+                            model_impl=args.model_impl, speculative_tokens=args.speculative_tokens)
     except ValueError as e:
         raise ServeError(f"serve: {e}") from e
 

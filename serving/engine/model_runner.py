@@ -19,6 +19,7 @@ from artifacts.common.device import pick_device
 from serving.engine import attention, cpu_kernels
 from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, bucket_by_length
 from serving.engine.config import EngineConfig
+from serving.engine.dequantize import dequantize_linears, is_quantized
 from serving.engine.errors import ModelLoadError
 from serving.engine.scheduler import ScheduledSeq
 
@@ -96,6 +97,8 @@ class ModelRunner:
 
         if self.config.model_impl == "hf":
             return None
+        if is_quantized(self.model) and self.device.type == "cpu":
+            dequantize_linears(self.model, torch.float32)  # see serving.engine.dequantize for why
         why = unsupported_reason(self.model)
         if why is not None:
             if self.config.model_impl == "compact":
