@@ -106,7 +106,8 @@ class Child:
         self._handle.close()
 
 
-def wait_ready(child: Child, url: str, timeout_s: float) -> None:
+def wait_ready(child: Child, url: str, timeout_s: float, path: str = "/ready") -> None:
+    """Poll `path` until 200 (ours answers `/ready`; vLLM's OpenAI server only has `/health`)."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -115,7 +116,7 @@ def wait_ready(child: Child, url: str, timeout_s: float) -> None:
             raise BenchError(f"{child.name} exited with {child.proc.returncode} while starting; "
                              f"log {child.log}:\n{child.tail()}")
         try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -443,16 +444,20 @@ def report(args: argparse.Namespace, res: dict[str, Any], machine: str) -> str:
 
 
 def machine_facts() -> str:
-    cpu = "?"
+    """CPU, its widest vector unit (hosts behind one name differ: the same `AMD EPYC` label has come with and
+    without AVX-512), load and time: what a reader needs to compare two runs."""
+    cpu, flags = "?", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "?":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    isa = next((name for name in ("avx512f", "avx2") if name in flags), "")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{os.cpu_count()} CPUs (`{cpu}`), load average {load}, "
+    return (f"{os.cpu_count()} CPUs (`{cpu}`{', ' + isa.upper() if isa else ''}), load average {load}, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
 
 

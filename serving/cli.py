@@ -68,6 +68,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets in-flight requests run; then they are ended and the process exits "
                         "(default: %(default)s)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="step the engine in its own process, so HTTP work never holds up the model "
+                        "(default: on; --no-engine-process steps it in a thread of the server process)")
     p.add_argument("--log-level", default="info")
 
 
@@ -98,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.api.server import run_server
 
     run_server(model, args.host, args.port, cfg, served_model_name=args.served_model_name,
-               drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+               drain_timeout_s=args.drain_timeout, log_level=args.log_level, engine_process=args.engine_process)
     return 0
 
 

@@ -149,7 +149,7 @@ def _serve_standalone(args: argparse.Namespace, bundle: Path, name: str, registr
     from serving.api.server import run_server
 
     run_server(bundle, args.host, args.port, engine_config, served_model_name=args.served_model_name or name,
-               drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+               drain_timeout_s=args.drain_timeout, log_level=args.log_level, engine_process=args.engine_process,
                verify=False)  # verified above, once: hashing a multi-GB bundle twice buys nothing
     return 0
 

@@ -17,10 +17,11 @@ from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from serving.api.async_engine import AsyncEngine
+from serving.api.async_engine import AsyncEngine, EngineClient
 from serving.api.chat import ChatServing
 from serving.api.common import APIError, ClientDisconnectedError, ServerState, error_response, next_output
 from serving.api.completion import CompletionServing
+from serving.api.engine_client import EngineView
 from serving.api.metrics import ServerMetrics
 from serving.api.protocol import (
     ChatCompletionRequest,
@@ -84,10 +85,15 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- app
-def build_app(engine: LLMEngine, model_name: str, *, warmup: bool = True) -> FastAPI:
-    """The FastAPI app over an already loaded engine; the step thread starts with the app."""
+def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool = True,
+              client: EngineClient | None = None) -> FastAPI:
+    """The FastAPI app over an already loaded engine: in this process (the step thread starts with the app),
+    or, with ``client``, the engine-core process that client drives and ``engine`` views."""
     metrics = ServerMetrics(engine, model_name)
-    state = ServerState(engine, AsyncEngine(engine, metrics), metrics, model_name)
+    if client is None:
+        client = AsyncEngine(engine, metrics)
+    client.metrics = metrics
+    state = ServerState(engine, client, metrics, model_name)
     completions, chat = CompletionServing(state), ChatServing(state)
 
     @asynccontextmanager
@@ -128,7 +134,7 @@ def build_app(engine: LLMEngine, model_name: str, *, warmup: bool = True) -> Fas
     async def _bad_method(request: Request, e: Exception):
         return error_response(APIError(405, f"method {request.method} not allowed on {request.url.path}"))
 
-    @app.get("/health", responses={503: _error("The engine thread stopped.")})
+    @app.get("/health", responses={503: _error("The engine stopped (its thread failed or its process died).")})
     async def health():
         if not state.async_engine.alive:
             return error_response(APIError(503, f"engine stopped: {state.async_engine.error}",

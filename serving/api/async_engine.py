@@ -1,9 +1,10 @@
-"""Runs the engine's step loop in one background thread and streams outputs to asyncio queues.
+"""The handlers' side of the engine: per-request asyncio queues fed by a step loop that runs elsewhere.
 
-The event loop never blocks on the model: handlers call ``add`` (validation + inbox, cheap) and await
-their queue; the engine thread steps while work exists and delivers each step's outputs with one
-``call_soon_threadsafe``. Draining stops admission (503) and lets in-flight requests finish; ``abort_all``
-ends those still running when the drain timeout runs out.
+The event loop never blocks on the model: handlers call ``add`` (validation + hand-over, cheap) and await
+their queue; the engine steps while work exists (in a thread here, or in its own process with
+``serving.api.engine_client``) and each step's outputs reach the loop with one ``call_soon_threadsafe``.
+Draining stops admission (503) and lets in-flight requests finish; ``abort_all`` ends those still running
+when the drain timeout runs out.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import threading
 import time
 
 from serving.api.metrics import ServerMetrics
-from serving.engine import EngineDrainingError, LLMEngine, RequestOutput, SamplingParams
+from serving.engine import EngineDrainingError, InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; requests in flight get a 500 and /health turns 503."""
+    """The engine stopped (its thread failed, or its process died); requests in flight get a 503 and
+    /health and /ready turn 503."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -28,19 +30,125 @@ class RequestAbortedError(RuntimeError):
     the answer at once (a stream with finish_reason "abort", a non-streaming request with a 503)."""
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
-        self.engine = engine
+class EngineClient:
+    """What the handlers talk to: one asyncio queue of outputs per engine request, over an engine that steps
+    elsewhere: a thread of this process (``AsyncEngine``) or the engine-core process
+    (``serving.api.engine_client.ProcessEngineClient``). Outputs are delivered on the event loop with one
+    ``call_soon_threadsafe`` per step."""
+
+    def __init__(self, metrics: ServerMetrics | None = None) -> None:
         self.metrics = metrics
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake = threading.Event()
-        self._stop = False
         self.draining = False
         self.error: BaseException | None = None
+
+    # ----------------------------------------------------------------- what each kind provides
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Hand a request to the engine; raises InvalidRequestError / QueueFullError (400 / 429)."""
+        raise NotImplementedError
+
+    def _send_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _engine_busy(self) -> bool:
+        return False
+
+    # ----------------------------------------------------------------- requests (event-loop side)
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block (in a plain thread) until no request is in flight; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._queues and not self._engine_busy():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        if self.draining:
+            raise EngineDrainingError("server is shutting down; not accepting new requests")
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error}")
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        try:
+            self._send_add(request_id, prompt_token_ids, params)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        return q
+
+    def abort(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is not None:
+            self._send_abort(request_id)
+
+    def abort_all(self, reason: str) -> int:
+        """End every request in flight: each handler gets ``RequestAbortedError`` and the engine frees the
+        blocks. Event-loop side; from another thread use ``abort_all_threadsafe``."""
+        queues, self._queues = self._queues, {}
+        for request_id, q in queues.items():
+            q.put_nowait(RequestAbortedError(reason))
+            self._send_abort(request_id)
+        return len(queues)
+
+    def abort_all_threadsafe(self, reason: str) -> None:
+        self._call_soon(self.abort_all, reason)
+
+    # ----------------------------------------------------------------- delivery (any thread -> event loop)
+    def _call_soon(self, fn, *args) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            q = self._queues.get(o.request_id)
+            if q is None:
+                continue
+            q.put_nowait(o)
+            if o.finished:
+                self._queues.pop(o.request_id, None)
+
+    def _fail_one(self, request_id: str, err: BaseException) -> None:
+        q = self._queues.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for q in list(self._queues.values()):
+            q.put_nowait(err)
+        self._queues.clear()
+
+    def _died(self, err: EngineDeadError) -> None:
+        """The engine stopped for good (any thread): fail what is in flight; /health and /ready turn 503."""
+        self.error = err
+        self._call_soon(self._fail_all, err)
+
+
+class AsyncEngine(EngineClient):
+    """The engine's step loop in a background thread of the server process."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+        super().__init__(metrics)
+        self.engine = engine
+        self._wake = threading.Event()
+        self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
 
-    # ----------------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._thread.start()
@@ -55,68 +163,18 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def num_in_flight(self) -> int:
-        return len(self._queues)
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Block (in a plain thread) until no request is in flight; False on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self._queues and not self.engine.has_unfinished():
-                return True
-            time.sleep(0.05)
-        return False
-
-    # ----------------------------------------------------------------- requests (event-loop side)
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        if self.draining:
-            raise EngineDrainingError("server is shutting down; not accepting new requests")
-        if not self.alive:
-            raise EngineDeadError(f"engine is not running: {self.error}")
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        try:
-            self.engine.add_request(request_id, prompt_token_ids, params)
-        except BaseException:
-            self._queues.pop(request_id, None)
-            raise
+    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params)
         self._wake.set()
-        return q
 
-    def abort(self, request_id: str) -> None:
-        if self._queues.pop(request_id, None) is not None:
-            self.engine.abort(request_id)
-            self._wake.set()
-
-    def abort_all(self, reason: str) -> int:
-        """End every request in flight: each handler gets ``RequestAbortedError`` and the engine frees the
-        blocks. Event-loop side; from another thread use ``abort_all_threadsafe``."""
-        queues, self._queues = self._queues, {}
-        for request_id, q in queues.items():
-            q.put_nowait(RequestAbortedError(reason))
-            self.engine.abort(request_id)
+    def _send_abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
         self._wake.set()
-        return len(queues)
 
-    def abort_all_threadsafe(self, reason: str) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.abort_all, reason)
+    def _engine_busy(self) -> bool:
+        return self.engine.has_unfinished()
 
     # ----------------------------------------------------------------- engine thread
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for o in outputs:
-            q = self._queues.get(o.request_id)
-            if q is None:
-                continue
-            q.put_nowait(o)
-            if o.finished:
-                self._queues.pop(o.request_id, None)
-
-    def _fail_all(self, err: BaseException) -> None:
-        for q in list(self._queues.values()):
-            q.put_nowait(err)
-        self._queues.clear()
-
     def _run(self) -> None:
         while not self._stop:
             if not self.engine.has_unfinished():
@@ -127,13 +185,10 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as e:  # a bug or device failure: fail loudly, never hang clients
                 log.exception("engine step failed")
-                self.error = e
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(str(e)))
+                self._died(EngineDeadError(str(e)))
                 return
             if not outputs:
                 continue
             if self.metrics is not None:
                 self.metrics.observe(outputs)
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._call_soon(self._deliver, outputs)

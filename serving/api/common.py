@@ -17,13 +17,13 @@ import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from serving.api.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
+from serving.api.async_engine import EngineClient, EngineDeadError, RequestAbortedError
 from serving.api.metrics import ServerMetrics
 from serving.api.protocol import error_body, find_lone_surrogate
 from serving.engine import (
@@ -35,6 +35,9 @@ from serving.engine import (
     SamplingParams,
 )
 from serving.engine.generation_defaults import SamplingDefaults
+
+if TYPE_CHECKING:
+    from serving.api.engine_client import EngineView
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +70,8 @@ def error_response(e: APIError) -> JSONResponse:
 # ----------------------------------------------------------------------------- state and records
 @dataclass
 class ServerState:
-    engine: LLMEngine
-    async_engine: AsyncEngine
+    engine: LLMEngine | EngineView  # what the handlers read about the engine (tokenizer, defaults, limits)
+    async_engine: EngineClient  # where requests go: a step thread here, or the engine-core process
     metrics: ServerMetrics
     model_name: str
     ready: bool = False
@@ -211,6 +214,13 @@ async def next_output(q: asyncio.Queue) -> RequestOutput:
         # the server is shutting down (drain timeout): a 503, or in a stream an error event then [DONE],
         # which our gateway takes as a broken stream and continues on another replica
         raise APIError(503, str(item), "service_unavailable")
+    if isinstance(item, EngineDeadError):
+        raise APIError(503, str(item), "service_unavailable")
+    if isinstance(item, InvalidRequestError):
+        raise APIError(400, str(item), param=str(item).split(":")[0])
+    if isinstance(item, QueueFullError):  # the engine core's own queue filled before the request arrived
+        raise APIError(429, str(item), "rate_limit_error",
+                       headers={"Retry-After": str(max(1, math.ceil(item.retry_after)))})
     if isinstance(item, BaseException):
         raise APIError(500, f"engine failure: {item}", "server_error")
     if item.error is not None:  # this request failed inside the engine; the engine goes on

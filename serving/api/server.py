@@ -18,7 +18,9 @@ from uvicorn.config import LOGGING_CONFIG
 
 from serving.api.app import build_app
 from serving.api.common import ServerState
+from serving.api.engine_client import EngineView, ProcessEngineClient
 from serving.engine import EngineConfig, LLMEngine
+from serving.engine.generation_defaults import SamplingDefaults
 
 log = logging.getLogger(__name__)
 
@@ -27,23 +29,28 @@ log = logging.getLogger(__name__)
 _FINAL_WRITE_S = 5.0
 
 
-def load_engine(model_dir: str | Path, engine_config: EngineConfig | None = None,
-                verify: bool = True) -> LLMEngine:
-    """Verify a bundle (a directory with manifest.json) in full, then load the engine.
-
-    A bundle that fails verification raises BundleVerificationError and is never served. Plain HF
-    model directories (no manifest.json) load directly.
-    """
-    path = Path(model_dir)
-    if verify and (path / "manifest.json").is_file():
+def verify_if_bundle(path: Path) -> None:
+    """Verify a bundle (a directory with manifest.json) in full; one that fails raises
+    BundleVerificationError and is never served. Plain HF model directories pass as they are."""
+    if (path / "manifest.json").is_file():
         from artifacts.verify import verify_bundle  # lazy: serving plain dirs needs no artifacts stack
 
         verify_bundle(path)
-    engine = LLMEngine.from_pretrained(path, engine_config or EngineConfig())
-    if engine.sampling_defaults.given():
+
+
+def load_engine(model_dir: str | Path, engine_config: EngineConfig | None = None,
+                verify: bool = True) -> LLMEngine:
+    """Verify (a bundle), then load the engine into this process."""
+    path = Path(model_dir)
+    if verify:
+        verify_if_bundle(path)
+    return LLMEngine.from_pretrained(path, engine_config or EngineConfig())
+
+
+def _log_sampling_defaults(path: Path, defaults: SamplingDefaults) -> None:
+    if defaults.given():
         log.info("sampling defaults from %s/generation_config.json for fields a request leaves out: %s", path,
-                 engine.sampling_defaults.given())
-    return engine
+                 defaults.given())
 
 
 def logging_config(log_level: str) -> dict[str, Any]:
@@ -55,19 +62,32 @@ def logging_config(log_level: str) -> dict[str, Any]:
 
 def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                engine_config: EngineConfig | None = None, served_model_name: str | None = None,
-               drain_timeout_s: float = 30.0, log_level: str = "info", verify: bool = True) -> None:
+               drain_timeout_s: float = 30.0, log_level: str = "info", verify: bool = True,
+               engine_process: bool = True) -> None:
     """Load, verify, warm up and serve until SIGTERM/SIGINT; SIGTERM drains in-flight requests first.
 
-    /ready answers 200 only once loading, verification and the warm-up generation are done.
+    With ``engine_process`` the engine steps in its own process (``serving.engine.core_process``) and this
+    one only speaks HTTP; without it, in a thread of this process. /ready answers 200 only once loading,
+    verification and the warm-up generation are done.
     """
     log_config = logging_config(log_level)
     logging.config.dictConfig(log_config)
-    engine = load_engine(model_dir, engine_config, verify=verify)
-    name = served_model_name or Path(model_dir).name
-    app = build_app(engine, name)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config,
-                            access_log=False, timeout_graceful_shutdown=_FINAL_WRITE_S)
-    DrainingServer(config, app.state.serving, drain_timeout_s).run()
+    path = Path(model_dir)
+    config = engine_config or EngineConfig()
+    name = served_model_name or path.name
+    if engine_process:
+        if verify:
+            verify_if_bundle(path)
+        client = ProcessEngineClient(path, config, log_level)
+        engine = EngineView.load(path, client)
+        app = build_app(engine, name, client=client)
+    else:
+        engine = load_engine(path, config, verify=verify)
+        app = build_app(engine, name)
+    _log_sampling_defaults(path, engine.sampling_defaults)
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config,
+                               access_log=False, timeout_graceful_shutdown=_FINAL_WRITE_S)
+    DrainingServer(uv_config, app.state.serving, drain_timeout_s).run()
 
 
 class DrainingServer(uvicorn.Server):

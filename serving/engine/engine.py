@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.errors import InvalidRequestError, QueueFullError
 from serving.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
+from serving.engine.limits import RequestLimits, validate_request
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from serving.engine.sampler import Sampler, prompt_logprobs
@@ -92,30 +93,15 @@ class LLMEngine:
             raise InvalidRequestError("prompt: this model has no tokenizer; send token ids")
         return self.tokenizer.encode(prompt)
 
+    @property
+    def limits(self) -> RequestLimits:
+        c = self.config
+        return RequestLimits(self.runner.vocab_size, self.max_model_len, c.max_num_batched_tokens,
+                             c.enable_chunked_prefill, c.max_queue)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Check a request can ever be served; returns params with ``max_tokens`` resolved."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt: must contain at least one token")
-        vocab = self.runner.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt: token ids must be integers in [0, {vocab})")
-        if params.top_k > vocab:
-            raise InvalidRequestError(f"top_k: must be <= the vocabulary size {vocab} (or 0/-1 for off), "
-                                      f"got {params.top_k}")
-        if n >= self.max_model_len and not (params.max_tokens == 0 and n == self.max_model_len):
-            raise InvalidRequestError(f"prompt: {n} tokens exceeds the model's maximum context length "
-                                      f"{self.max_model_len}")
-        mt = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + mt > self.max_model_len:
-            raise InvalidRequestError(f"max_tokens: prompt ({n} tokens) + max_tokens ({mt}) exceeds the "
-                                      f"maximum context length {self.max_model_len}")
-        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
-            raise InvalidRequestError(f"prompt: {n} tokens exceeds max_num_batched_tokens "
-                                      f"{self.config.max_num_batched_tokens} (chunked prefill is off)")
-        if params.max_tokens != mt:
-            params = replace(params, max_tokens=mt)
-        return params
+        return validate_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:

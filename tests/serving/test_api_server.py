@@ -18,6 +18,7 @@ import uvicorn
 from openai import OpenAI
 
 from serving.api import build_app
+from serving.api.engine_client import EngineView, ProcessEngineClient
 from serving.engine import EngineConfig, LLMEngine
 
 MODEL = "micro"
@@ -30,9 +31,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, cfg: EngineConfig):
-    engine = LLMEngine.from_pretrained(model_dir, cfg)
-    app = build_app(engine, MODEL)
+def running_server(model_dir: Path, cfg: EngineConfig, engine_mode: str = "thread"):
+    """uvicorn in a thread over the engine stepping in a thread of this process, or (``"process"``) in its
+    own engine-core process, as `lifecycle serve` runs it by default."""
+    if engine_mode == "process":
+        core = ProcessEngineClient(model_dir, cfg)
+        engine = EngineView.load(model_dir, core)
+        app = build_app(engine, MODEL, client=core)
+    else:
+        engine = LLMEngine.from_pretrained(model_dir, cfg)
+        app = build_app(engine, MODEL)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=5))
@@ -55,9 +63,11 @@ def running_server(model_dir: Path, cfg: EngineConfig):
         thread.join(timeout=20)
 
 
-@pytest.fixture(scope="module")
-def server(micro_base_dir):
-    with running_server(micro_base_dir, EngineConfig(num_blocks=512, block_size=8, max_num_seqs=32)) as s:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, micro_base_dir):
+    """Every test here runs against both ways of stepping the engine: their answers must not differ."""
+    with running_server(micro_base_dir, EngineConfig(num_blocks=512, block_size=8, max_num_seqs=32),
+                        request.param) as s:
         yield s
 
 
@@ -258,9 +268,11 @@ def test_dropped_streams_free_their_kv_blocks(server):
 
 
 @pytest.mark.slow
-def test_hundred_concurrent_streams_complete_or_get_429(micro_base_dir):
+@pytest.mark.parametrize("engine_mode", ["thread", "process"])
+def test_hundred_concurrent_streams_complete_or_get_429(micro_base_dir, engine_mode):
+    """Admission by queue length holds in both modes (with an engine process, the API side keeps the count)."""
     cfg = EngineConfig(num_blocks=256, block_size=8, max_num_seqs=16, max_queue=24)
-    with running_server(micro_base_dir, cfg) as (base, _):
+    with running_server(micro_base_dir, cfg, engine_mode) as (base, _):
         body = {"model": MODEL, "prompt": "Question: what is 3+4?", "max_tokens": 24, "ignore_eos": True,
                 "stream": True}
 

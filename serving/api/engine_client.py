@@ -1,0 +1,219 @@
+"""The API process's side of the process split: start the engine core, feed it, read its outputs.
+
+``ProcessEngineClient`` is the ``EngineClient`` the handlers use when the engine runs in its own process
+(``serving.engine.core_process``). Two threads keep the event loop off the pipe in both directions: a
+writer sends what the handlers queued (several messages in one write when they pile up), a reader takes
+each step's outputs off the pipe and hands them to the loop. Requests are validated here, against the
+limits the core reported when it started, so a bad request is answered 400 without crossing over.
+
+``EngineView`` is what the handlers read about the engine (tokenizer, sampling defaults, context length,
+stats) without the engine in this process. If the core process dies, every request in flight ends with a
+503, /health and /ready turn 503, and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from serving.api.async_engine import EngineClient, EngineDeadError
+from serving.engine.config import EngineConfig
+from serving.engine.core_process import (
+    AbortRequest,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    CoreStep,
+    RequestRejected,
+    Shutdown,
+    run_engine_core,
+)
+from serving.engine.errors import InvalidRequestError, ModelLoadError, QueueFullError
+from serving.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
+from serving.engine.limits import RequestLimits, validate_request
+from serving.engine.outputs import EngineStats, RequestOutput
+from serving.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_STOP_GRACE_S = 10.0
+
+
+@dataclass
+class EngineView:
+    """The engine as the handlers see it from the API process (the fields of ``LLMEngine`` they read)."""
+
+    tokenizer: Any
+    sampling_defaults: SamplingDefaults
+    limits: RequestLimits
+    client: ProcessEngineClient
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt: this model has no tokenizer; send token ids")
+        return self.tokenizer.encode(prompt)
+
+    def stats(self) -> EngineStats:
+        return self.client.last_stats
+
+    @classmethod
+    def load(cls, model_dir: Path, client: ProcessEngineClient) -> EngineView:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError):
+            tokenizer = None  # token-id-only serving, as in the engine
+        return cls(tokenizer, read_sampling_defaults(model_dir), client.limits, client)
+
+
+class ProcessEngineClient(EngineClient):
+    """The engine core in a child process, driven over a pipe."""
+
+    def __init__(self, model_dir: Path, config: EngineConfig, log_level: str = "warning",
+                 startup_timeout_s: float = 600.0) -> None:
+        super().__init__()
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch or event-loop state
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=run_engine_core, name="engine-core", daemon=True,
+                                 args=(str(model_dir), config, child_conn, log_level))
+        self._proc.start()
+        child_conn.close()
+        ready = self._wait_ready(startup_timeout_s)
+        self.pid, self.limits, self.last_stats = ready.pid, ready.limits, ready.stats
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._unstarted: set[str] = set()  # sent, no output yet: the API side's view of the waiting queue
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="engine-core-writer", daemon=True)
+        log.info("engine core process %d serving %s", self.pid, model_dir)
+
+    def _wait_ready(self, timeout_s: float) -> CoreReady:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive():
+                raise ModelLoadError(f"engine core process {_how_it_ended(self._proc.exitcode)} while loading")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise ModelLoadError(f"engine core process not ready after {timeout_s:.0f} s")
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise ModelLoadError(f"engine core process exited while loading ({exc})") from exc
+        if isinstance(message, CoreFailed):
+            self._proc.join(_STOP_GRACE_S)
+            raise ModelLoadError(message.error)
+        return message
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, loop) -> None:
+        self._loop = loop
+        self._reader.start()
+        self._writer.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._outbox.put(Shutdown())
+        self._outbox.put(None)
+        self._proc.join(_STOP_GRACE_S)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(_STOP_GRACE_S)
+        self._conn.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._proc.is_alive()
+
+    # ----------------------------------------------------------------- requests (event-loop side)
+    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params = validate_request(list(prompt_token_ids), params, self.limits)
+        if len(self._unstarted) >= self.limits.max_queue:
+            raise QueueFullError(f"queue is full ({self.limits.max_queue} requests waiting); retry later",
+                                 retry_after=1.0)
+        self._unstarted.add(request_id)
+        self._outbox.put(AddRequest(request_id, list(prompt_token_ids), params, time.monotonic()))
+
+    def _send_abort(self, request_id: str) -> None:
+        self._unstarted.discard(request_id)
+        self._outbox.put(AbortRequest(request_id))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            self._unstarted.discard(o.request_id)
+        super()._deliver(outputs)
+
+    def _fail_one(self, request_id: str, err: BaseException) -> None:
+        self._unstarted.discard(request_id)
+        super()._fail_one(request_id, err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        self._unstarted.clear()
+        super()._fail_all(err)
+
+    # ----------------------------------------------------------------- pipe threads
+    def _write(self) -> None:
+        while True:
+            first = self._outbox.get()
+            if first is None:
+                return
+            batch = [first]
+            while True:  # what piled up during the last write goes in one message
+                try:
+                    more = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._outbox.put(None)
+                    break
+                batch.append(more)
+            try:
+                self._conn.send(batch)
+            except (OSError, ValueError):
+                return  # the core is gone; the reader reports it
+
+    def _read(self) -> None:
+        reason = "the engine core process closed its pipe"
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, CoreStep):
+                self.last_stats = message.stats
+                if self.metrics is not None:
+                    self.metrics.observe(message.outputs)
+                self._call_soon(self._deliver, message.outputs)
+            elif isinstance(message, RequestRejected):
+                self._call_soon(self._fail_one, message.request_id, message.error)
+            elif isinstance(message, CoreFailed):
+                reason = f"the engine core failed: {message.error}"
+                break
+        if self._stopping:
+            return
+        self._proc.join(1.0)
+        reason += f" (process {self.pid} {_how_it_ended(self._proc.exitcode)})"
+        log.error("engine stopped: %s; answering 503 until the server is restarted", reason)
+        self._died(EngineDeadError(reason))
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"

@@ -1,0 +1,140 @@
+"""The engine core in its own process: the step loop, with nothing else competing for its interpreter.
+
+In one process the HTTP side (parsing JSON, building SSE chunks, the event loop) and the step loop share
+one GIL, so every chunk written is time the model is not stepping. Here, as in vLLM v1, the API process
+tokenizes, validates and writes the answers, and this process only schedules, runs the model and
+detokenizes (stop strings end a sequence here, where its blocks are freed). The two talk over a pipe:
+the API sends lists of ``AddRequest`` / ``AbortRequest`` / ``Shutdown``; this side answers once with ``CoreReady``
+(or ``CoreFailed``) and then sends one ``CoreStep`` per step that produced outputs.
+
+The core never waits for the API side: it drains whatever arrived before each step and sends the step's
+outputs in one message, which the API's reader thread takes off the pipe at once. When the API process
+goes away (the pipe closes) the core exits; signals are left to the API process, which decides when the
+core stops (a drain ends with ``Shutdown``).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from serving.engine.config import EngineConfig
+from serving.engine.errors import EngineError
+from serving.engine.limits import RequestLimits
+from serving.engine.outputs import EngineStats, RequestOutput
+from serving.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# how long an idle core blocks on the pipe before looking again (it wakes at once when a message comes)
+_IDLE_POLL_S = 0.5
+
+
+# ----------------------------------------------------------------------------- API -> core
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # validated, with max_tokens resolved, by the API side
+    arrival_time: float  # time.monotonic() in the API process (one clock for both processes on Linux)
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ----------------------------------------------------------------------------- core -> API
+@dataclass
+class CoreReady:
+    pid: int
+    limits: RequestLimits
+    stats: EngineStats
+
+
+@dataclass
+class CoreFailed:
+    """The core could not start, or its step loop broke: ``error`` is one line for the operator."""
+
+    error: str
+
+
+@dataclass
+class CoreStep:
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclass
+class RequestRejected:
+    """The engine refused a request the API side let through (its queue filled in the meantime)."""
+
+    request_id: str
+    error: EngineError
+
+
+def run_engine_core(model_dir: str, config: EngineConfig, conn: Connection, log_level: str = "WARNING") -> None:
+    """Entry point of the engine-core process (spawned by ``serving.api.engine_client``)."""
+    import os
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the API decides
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     engine core: %(message)s")
+    from artifacts.common.quiet import quiet_warnings
+    quiet_warnings()
+    from serving.engine.engine import LLMEngine
+
+    try:
+        engine = LLMEngine.from_pretrained(Path(model_dir), config)
+    except Exception as exc:  # noqa: BLE001 - reported to the API process as one line, which exits with it
+        conn.send(CoreFailed(str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(CoreReady(os.getpid(), engine.limits, engine.stats()))
+    try:
+        _step_loop(engine, conn)
+    except (EOFError, OSError):
+        pass  # the API process is gone: nobody to serve
+    except Exception as exc:  # noqa: BLE001 - a broken loop is reported, then the process ends
+        log.exception("engine core failed")
+        try:
+            conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+
+
+def _step_loop(engine, conn: Connection) -> None:
+    while True:
+        busy = engine.has_unfinished()
+        if conn.poll(0 if busy else _IDLE_POLL_S):
+            while True:
+                batch = conn.recv()  # a list: the API's writer sends what piled up in one message
+                for message in batch:
+                    if isinstance(message, Shutdown):
+                        return
+                    _apply(engine, conn, message)
+                if not conn.poll(0):
+                    break
+        if not engine.has_unfinished():
+            continue
+        outputs = engine.step()
+        if outputs:
+            conn.send(CoreStep(outputs, engine.stats()))
+
+
+def _apply(engine, conn: Connection, message: AddRequest | AbortRequest) -> None:
+    if isinstance(message, AbortRequest):
+        engine.abort(message.request_id)
+        return
+    try:
+        engine.add_request(message.request_id, message.prompt_token_ids, message.params,
+                           arrival_time=message.arrival_time)
+    except EngineError as exc:
+        conn.send(RequestRejected(message.request_id, exc))

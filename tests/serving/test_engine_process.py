@@ -1,0 +1,137 @@
+"""The engine-core process behind `lifecycle serve`: what users see when it dies, and what it leaves behind.
+
+A real `python -m serving.cli serve` on 127.0.0.1 (the engine steps in its own process by default). The
+fault is injected on purpose: SIGKILL to the engine-core process, as the kernel's OOM killer would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.serving.test_serving_cli import REPO, _start_server
+
+
+def _engine_core(server: subprocess.Popen) -> psutil.Process:
+    """The server's engine-core child (multiprocessing's spawn runs it as `python -c from multiprocessing...`)."""
+    deadline = time.monotonic() + 30
+    while True:
+        cores = [c for c in psutil.Process(server.pid).children()
+                 if "spawn_main" in " ".join(c.cmdline())]
+        if cores:
+            assert len(cores) == 1, [c.cmdline() for c in cores]
+            return cores[0]
+        assert time.monotonic() < deadline, "no engine-core process under the server"
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.stdout.read().decode(errors="replace")
+
+
+def test_a_killed_engine_process_ends_streams_with_503_and_turns_ready_false(tiny_model_dir):
+    """Kill the engine core mid-stream: the stream ends at once with an error event and [DONE] (no hang),
+    new requests get 503 with the cause, /ready and /health answer 503, the API process stays up to say so,
+    and SIGTERM still stops it promptly."""
+    server, base = _start_server(tiny_model_dir)
+    try:
+        core = _engine_core(server)
+        events: list[str] = []
+        first_token = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(line[len("data: "):])
+                        first_token.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first_token.wait(30), "the stream never started"
+        killed_at = time.monotonic()
+        core.send_signal(signal.SIGKILL)
+        reader.join(timeout=15)
+        assert not reader.is_alive(), "the stream hung after the engine process died"
+        assert time.monotonic() - killed_at < 10
+
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and error["type"] == "service_unavailable"
+        assert "killed by SIGKILL" in error["message"], error
+        assert any(json.loads(e).get("choices") for e in events[:-2]), "no tokens streamed before the kill"
+
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=10)
+        assert r.status_code == 503 and "engine is not running" in r.json()["error"]["message"]
+        chat = httpx.post(f"{base}/v1/chat/completions", timeout=10,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert chat.status_code == 503
+        ready = httpx.get(f"{base}/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 503
+        assert server.poll() is None, "the API process should stay up and answer 503 until it is restarted"
+
+        stopped_at = time.monotonic()
+        log = _stop(server)
+        assert server.returncode is not None and time.monotonic() - stopped_at < 15
+        assert "engine stopped" in log and "killed by SIGKILL" in log, log
+        assert "Traceback" not in log, log
+    finally:
+        _stop(server)
+
+
+def test_the_engine_process_leaves_with_the_server(tiny_model_dir):
+    """SIGTERM drains and stops both processes; SIGKILL of the server (no drain at all) still leaves no
+    orphaned engine holding the model's memory: the core sees its pipe close and exits."""
+    server, _ = _start_server(tiny_model_dir)
+    core = _engine_core(server)
+    _stop(server)
+    assert server.returncode == 0
+    core.wait(timeout=15)
+
+    server, _ = _start_server(tiny_model_dir)
+    core = _engine_core(server)
+    server.kill()
+    server.wait()
+    try:
+        core.wait(timeout=15)
+    except psutil.TimeoutExpired:
+        core.kill()
+        pytest.fail("the engine-core process outlived a SIGKILLed server")
+    _stop(server)
+
+
+def test_a_model_the_engine_process_cannot_load_is_one_line_and_exit_2(tmp_path):
+    """A directory whose weights the core cannot load: the server exits 2 with the core's one-line cause,
+    and never binds its port."""
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                   "hidden_size": 8, "num_hidden_layers": 1,
+                                                   "num_attention_heads": 2, "vocab_size": 16}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "serving.cli", "serve", str(model), "--port", "1"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert lines[0].startswith(f"error: {model}: cannot load model") and "model.safetensors" in lines[0], lines
