@@ -47,8 +47,15 @@ def main() -> int:
     args = parser.parse_args()
     from serving.engine import EngineConfig, LLMEngine
 
+    from artifacts.errors import LifecycleError
+
     model = build_model(dict(os.environ)) if args.model == "bench" else Path(args.model)
-    engine = LLMEngine.from_pretrained(model, EngineConfig(threads=args.threads, max_queue=max(256, args.requests)))
+    try:
+        config = EngineConfig(threads=args.threads, max_queue=max(256, args.requests))
+        engine = LLMEngine.from_pretrained(model, config)
+    except (LifecycleError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     vocab, rng = engine.runner.vocab_size, random.Random(args.seed)
     add_workload(engine, args.requests, vocab, rng)
     while engine.has_unfinished():

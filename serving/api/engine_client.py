@@ -138,12 +138,13 @@ class ProcessEngineClient(EngineClient):
 
     # ----------------------------------------------------------------- requests (event-loop side)
     def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        params = validate_request(list(prompt_token_ids), params, self.limits)
+        prompt = list(prompt_token_ids)  # the handler's list stays the handler's
+        params = validate_request(prompt, params, self.limits)
         if len(self._unstarted) >= self.limits.max_queue:
             raise QueueFullError(f"queue is full ({self.limits.max_queue} requests waiting); retry later",
                                  retry_after=1.0)
         self._unstarted.add(request_id)
-        self._outbox.put(AddRequest(request_id, list(prompt_token_ids), params, time.monotonic()))
+        self._outbox.put(AddRequest(request_id, prompt, params, time.monotonic()))
 
     def _send_abort(self, request_id: str) -> None:
         self._unstarted.discard(request_id)

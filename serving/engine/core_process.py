@@ -122,7 +122,8 @@ def _step_loop(engine, conn: Connection) -> None:
                     _apply(engine, conn, message)
                 if not conn.poll(0):
                     break
-        if not engine.has_unfinished():
+            busy = engine.has_unfinished()
+        if not busy:
             continue
         outputs = engine.step()
         if outputs:

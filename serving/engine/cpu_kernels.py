@@ -335,6 +335,17 @@ void attend_avx2(const float* q, const float* kc, const float* vc, const int64_t
 
 }  // namespace
 
+// The vectorized kernels are templates over (G, D); `vec` has checked G in {4, 8} and D in {16, 64, 128}.
+#define ATTEND_VECTORIZED(KERNEL)                                                         \
+  do {                                                                                    \
+    if (G == 4 && D == 64) KERNEL<4, 64>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);      \
+    else if (G == 8 && D == 64) KERNEL<8, 64>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp); \
+    else if (G == 4 && D == 128) KERNEL<4, 128>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp); \
+    else if (G == 8 && D == 128) KERNEL<8, 128>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp); \
+    else if (G == 4 && D == 16) KERNEL<4, 16>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp); \
+    else KERNEL<8, 16>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);                        \
+  } while (0)
+
 // q [B, H, D]; caches [NB, bs, KVH, D]; block_tables [B, max_blocks] int64; context_lens [B] int64;
 // out [B, H, D] (written).
 void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -371,22 +382,12 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
       const int64_t* tab = tp + b * max_blocks;
 #ifdef LLM_LIFECYCLE_HAVE_AVX2
       if (vec && (bs & (bs - 1)) == 0) {
-        if (G == 4 && D == 64) attend_avx2<4, 64>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else if (G == 8 && D == 64) attend_avx2<8, 64>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else if (G == 4 && D == 128) attend_avx2<4, 128>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else if (G == 8 && D == 128) attend_avx2<8, 128>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else if (G == 4 && D == 16) attend_avx2<4, 16>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else attend_avx2<8, 16>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
+        ATTEND_VECTORIZED(attend_avx2);
         continue;
       }
 #endif
       if (vec) {
-        if (G == 4 && D == 64) attend16<4, 64>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else if (G == 8 && D == 64) attend16<8, 64>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else if (G == 4 && D == 128) attend16<4, 128>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else if (G == 8 && D == 128) attend16<8, 128>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else if (G == 4 && D == 16) attend16<4, 16>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
-        else attend16<8, 16>(qb, kp, vp, tab, len, bs, KVH, sc, ob, sp);
+        ATTEND_VECTORIZED(attend16);
         continue;
       }
       for (int64_t h = 0; h < KVH; ++h)
