@@ -45,9 +45,8 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=15, help="functions to list")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from serving.engine import EngineConfig, LLMEngine
-
     from artifacts.errors import LifecycleError
+    from serving.engine import EngineConfig, LLMEngine
 
     model = build_model(dict(os.environ)) if args.model == "bench" else Path(args.model)
     try:
