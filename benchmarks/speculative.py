@@ -1,7 +1,8 @@
 """Speculative decoding through HTTP: batch-1 tokens/s with and without ``--speculative-tokens``.
 
 Users meet speculation where they meet the server, so this measures it there: two ``lifecycle serve``
-processes on the same model with the same thread budget, one plain and one with n-gram speculation,
+processes on the same model with the same thread budget, one plain and one with n-gram speculation (or,
+with ``--draft-model DIR``, speculation by that draft model: ``--speculative-model DIR``),
 driven alternately by one streaming client at concurrency 1 (where speculation pays: a lone decode step
 reads every weight for one token). Two workloads, greedy, ``ignore_eos``:
 
@@ -15,9 +16,11 @@ for token), and tokens/s is completion tokens over the time from sending to the 
 table gives medians over the prompts, the ratio speculative/plain, and the acceptance rate from /metrics.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/speculative.py --model .lifecycle/models/base/ID
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/speculative.py --model BIG --draft-model SMALL
 
 ``--model`` is any Hugging Face model directory or bundle (default: the pretrained embedded ``micro`` base,
-built first if missing). Everything the servers print goes to log files in a temporary folder.
+built first if missing); ``--draft-model`` a smaller model directory with the same tokenizer. Everything
+the servers print goes to log files in a temporary folder.
 """
 
 from __future__ import annotations
@@ -88,12 +91,14 @@ def scrape_acceptance(url: str) -> tuple[float, float]:
             samples.get("vllm:spec_decode_num_accepted_tokens_total", 0.0))
 
 
-def start_server(name: str, model: Path, threads: int, speculative_tokens: int, logs: Path) -> tuple[Child, str]:
+def start_server(name: str, model: Path, threads: int, speculative_tokens: int, logs: Path,
+                 draft_model: Path | None = None) -> tuple[Child, str]:
     port = free_port()
     env = dict(os.environ)
+    draft = ["--speculative-model", str(draft_model)] if draft_model else []
     child = Child(name, [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
                          "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
-                         "--speculative-tokens", str(speculative_tokens)], logs / f"{name}.log", env)
+                         "--speculative-tokens", str(speculative_tokens), *draft], logs / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
     wait_ready(child, url, timeout_s=300)
     return child, url
@@ -134,7 +139,8 @@ def bench(args: argparse.Namespace, plain: str, spec: str) -> dict:
 
 
 def report(args: argparse.Namespace, model: Path, results: dict) -> str:
-    lines = [f"model `{model}`, {args.threads} thread(s), --speculative-tokens {args.tokens}, "
+    draft = f" --speculative-model `{args.draft_model}`" if args.draft_model else " (n-gram)"
+    lines = [f"model `{model}`, {args.threads} thread(s), --speculative-tokens {args.tokens}{draft}, "
              f"{args.prompts} prompts x {args.max_tokens} tokens, batch 1; {machine_facts()}", "",
              "| workload | plain tok/s | speculative tok/s | × plain | acceptance | identical replies |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -148,6 +154,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="model or bundle dir (default: embedded micro)")
     parser.add_argument("--tokens", type=int, default=4, help="--speculative-tokens of the second server")
+    parser.add_argument("--draft-model", type=Path, default=None,
+                        help="the second server speculates with this draft model (--speculative-model) instead "
+                             "of n-gram lookup: a smaller model dir with the same tokenizer")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=8, help=f"at most {len(SEEDS)}")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -155,14 +164,16 @@ def main() -> int:
     args = parser.parse_args()
     try:
         model = args.model or default_model()
-        if not (model / "config.json").is_file():
-            raise BenchError(f"{model}: not a model directory (config.json missing)")
+        for path in (model, args.draft_model):
+            if path is not None and not (path / "config.json").is_file():
+                raise BenchError(f"{path}: not a model directory (config.json missing)")
         with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
             children = []
             try:
                 plain, plain_url = start_server("plain", model, args.threads, 0, Path(tmp))
                 children.append(plain)
-                spec, spec_url = start_server("speculative", model, args.threads, args.tokens, Path(tmp))
+                spec, spec_url = start_server("speculative", model, args.threads, args.tokens, Path(tmp),
+                                              args.draft_model)
                 children.append(spec)
                 results = bench(args, plain_url, spec_url)
             finally:
@@ -175,7 +186,8 @@ def main() -> int:
         return 2
     print(report(args, model, results))
     if args.out:
-        args.out.write_text(json.dumps({"model": str(model), "results": results}, indent=2))
+        args.out.write_text(json.dumps({"model": str(model), "draft_model": str(args.draft_model or ""),
+                                             "results": results}, indent=2))
     return 0
 
 

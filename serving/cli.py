@@ -63,8 +63,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="forward pass: the compact Llama path when the checkpoint allows it (GPTQ/AWQ "
                         "snapshots are dequantized for it), or the Hugging Face one (default: %(default)s)")
     p.add_argument("--speculative-tokens", type=int, default=d.speculative_tokens,
-                   help="n-gram speculative decoding: tokens guessed per step from the context, for greedy "
-                        "requests (0 = off; try 4) (default: %(default)s)")
+                   help="speculative decoding: tokens guessed per step for greedy requests, from the context "
+                        "(n-gram lookup) or by --speculative-model (0 = off; try 4) (default: %(default)s)")
+    p.add_argument("--speculative-model", metavar="DIR", default=d.speculative_model,
+                   help="a smaller HF model directory with the same tokenizer that guesses the tokens instead of "
+                        "the n-gram lookup (needs --speculative-tokens K)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets in-flight requests run; then they are ended and the process exits "
                         "(default: %(default)s)")
@@ -77,6 +80,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace):
     from serving.engine import EngineConfig
 
+    draft = args.speculative_model
+    if draft is not None and not (Path(draft) / "config.json").is_file():
+        raise ServeError(f"--speculative-model: {draft}: not a Hugging Face model directory (config.json missing)")
     try:
         return EngineConfig(block_size=args.block_size, kv_memory_bytes=kv_memory_bytes(args.kv_memory),
                             num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -84,7 +90,8 @@ def engine_config_from_args(args: argparse.Namespace):
                             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                             enable_chunked_prefill=not args.no_chunked_prefill, dtype=args.dtype,
                             device=args.device, threads=args.threads,
-                            model_impl=args.model_impl, speculative_tokens=args.speculative_tokens)
+                            model_impl=args.model_impl, speculative_tokens=args.speculative_tokens,
+                            speculative_model=args.speculative_model)
     except ValueError as e:
         raise ServeError(f"serve: {e}") from e
 

@@ -33,9 +33,12 @@ class EngineConfig:
     seed: int = 0
     # "auto": compact Llama forward when the checkpoint allows it, else HF; "hf" / "compact" force one
     model_impl: str = "auto"
-    # speculative decoding by n-gram prompt lookup: tokens guessed per step for greedy requests (0 = off)
+    # speculative decoding: tokens guessed per step for greedy requests (0 = off), by n-gram prompt lookup
+    # unless ``speculative_model`` names a draft model
     speculative_tokens: int = 0
     speculative_ngram: int = 4  # longest context suffix looked up (down to 2 tokens)
+    # a draft model (a local HF dir with the target's vocabulary) that guesses instead of the n-gram lookup
+    speculative_model: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -62,6 +65,12 @@ class EngineConfig:
             raise ValueError(f"speculative_tokens: must be in [0, 16], got {self.speculative_tokens}")
         if self.speculative_ngram < 2:
             raise ValueError(f"speculative_ngram: must be >= 2, got {self.speculative_ngram}")
+        if self.speculative_model is not None:
+            if not str(self.speculative_model).strip():
+                raise ValueError("speculative_model: must be a model directory, got an empty string")
+            if self.speculative_tokens < 1:
+                raise ValueError("speculative_model: needs speculative_tokens >= 1 (the tokens the draft guesses "
+                                 f"per step), got {self.speculative_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be >= 1, got {self.threads}")
         if not self.enable_chunked_prefill and self.max_model_len is not None \

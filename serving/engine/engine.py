@@ -20,6 +20,7 @@ from artifacts.common.stop_tokens import stop_token_ids
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.draft_model import DraftModelProposer, draft_cache_blocks
 from serving.engine.errors import InvalidRequestError, QueueFullError
 from serving.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
 from serving.engine.limits import RequestLimits, validate_request
@@ -29,7 +30,7 @@ from serving.engine.sampler import Sampler, prompt_logprobs
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq, Scheduler
 from serving.engine.sequence import Sequence
-from serving.engine.speculative import NgramProposer, SpeculationStats, accepted_prefix, can_speculate
+from serving.engine.speculative import NgramProposer, Proposer, SpeculationStats, accepted_prefix, can_speculate
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,7 @@ class LLMEngine:
         self.requests_finished_total = 0
         self.requests_failed_total = 0
         self.num_steps = 0
-        self.proposer = NgramProposer(config.speculative_tokens, config.speculative_ngram) \
-            if config.speculative_tokens else None
+        self.proposer = _make_proposer(config, runner, tokenizer)
         self.speculation = SpeculationStats()
 
     @classmethod
@@ -159,6 +159,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, new_ids: list[int] | None = None,
                 new_lp: list | None = None) -> RequestOutput:
         self.scheduler.remove(seq)
+        if self.proposer is not None:
+            self.proposer.release(seq.request_id)  # a draft model's blocks for it go back now
         self.requests_finished_total += 1
         out = self._output(seq, new_ids or [], new_lp, finished=True)
         self.seqs.pop(seq.request_id, None)
@@ -236,15 +238,21 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- speculative decoding
     def _propose_drafts(self) -> list[Sequence]:
-        """Append guessed tokens to the greedy decodes whose context repeats (see serving.engine.speculative)."""
+        """Append guessed tokens to the greedy decodes the proposer has guesses for (serving.engine.speculative)."""
         if self.proposer is None:
             return []
-        drafted = []
+        seqs, rooms = [], []
         for seq in self.scheduler.running:
             if not can_speculate(seq):
                 continue
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            drafts = self.proposer.propose(seq.token_ids, room)
+            if room > 0:
+                seqs.append(seq)
+                rooms.append(room)
+        guesses = self.proposer.propose_many(seqs, rooms)  # called every step: a draft model frees what left
+        drafted = []
+        for seq in seqs:
+            drafts = guesses.get(seq.request_id)
             if drafts:
                 seq.draft_token_ids = drafts
                 seq.token_ids.extend(drafts)
@@ -432,6 +440,16 @@ class LLMEngine:
                            requests_finished_total=self.requests_finished_total, num_steps=self.num_steps,
                            spec_draft_tokens_total=self.speculation.drafted,
                            spec_accepted_tokens_total=self.speculation.accepted)
+
+
+def _make_proposer(config: EngineConfig, runner: ModelRunner, tokenizer: Any) -> Proposer | None:
+    """The source of guesses: a draft model when ``speculative_model`` names one, else n-gram lookup."""
+    if not config.speculative_tokens:
+        return None
+    if config.speculative_model is None:
+        return NgramProposer(config.speculative_tokens, config.speculative_ngram)
+    return DraftModelProposer(config.speculative_model, config, runner.vocab_size, tokenizer,
+                              draft_cache_blocks(config, runner.num_blocks))
 
 
 def _drop_drafts(seq: Sequence) -> None:

@@ -10,15 +10,21 @@ step therefore emits between 1 and ``k + 1`` tokens, and the output is the greed
 Only plain greedy requests speculate (temperature 0, no penalties, no logprobs, past ``min_tokens``): for
 those the model's choice at every position is one argmax of the raw logits, so checking a guess is exact.
 Everything else decodes one token a step as before, in the same batch.
+
+Where guesses come from is a ``Proposer``: this module's n-gram lookup (free, good where the reply repeats
+its context), or a small draft model of the same vocabulary (``serving.engine.draft_model``, good wherever
+the draft agrees with the target). The engine only asks a proposer for guesses and tells it when a request
+leaves; the checking above is the same for both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from serving.engine.sequence import Sequence
 
-__all__ = ["NgramProposer", "SpeculationStats", "accepted_prefix", "can_speculate"]
+__all__ = ["NgramProposer", "Proposer", "SpeculationStats", "accepted_prefix", "can_speculate"]
 
 
 @dataclass
@@ -35,6 +41,19 @@ def can_speculate(seq: Sequence) -> bool:
     p = seq.params
     return (p.greedy and not p.has_penalties and p.logprobs is None
             and seq.num_output_tokens >= p.min_tokens and seq.num_tokens - seq.num_computed_tokens == 1)
+
+
+class Proposer(Protocol):
+    """What the engine needs from a source of guesses."""
+
+    def propose_many(self, seqs: list[Sequence], rooms: list[int]) -> dict[str, list[int]]:
+        """Guesses for ``seqs`` (greedy decodes, real tokens only), at most ``rooms[i]`` tokens for ``seqs[i]``,
+        keyed by request id; a sequence may get none. Never raises for a sequence's sake."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request left the engine (finished, aborted, failed): drop whatever is kept for it."""
+        ...
 
 
 class NgramProposer:
@@ -66,6 +85,13 @@ class NgramProposer:
                     if follow:
                         return follow
         return []
+
+    def propose_many(self, seqs: list[Sequence], rooms: list[int]) -> dict[str, list[int]]:
+        guesses = {seq.request_id: self.propose(seq.token_ids, room) for seq, room in zip(seqs, rooms)}
+        return {rid: g for rid, g in guesses.items() if g}
+
+    def release(self, request_id: str) -> None:
+        """Nothing to drop: the lookup keeps no state between steps."""
 
 
 def accepted_prefix(drafts: list[int], greedy: list[int]) -> list[int]:
