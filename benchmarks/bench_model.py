@@ -105,6 +105,44 @@ def build_bench_model(model_dir: Path = DEFAULT_MODEL_DIR, spec: BenchModelSpec 
     return model_dir
 
 
+def build_quantized_bench_model(method: str = "gptq", source: Path = DEFAULT_MODEL_DIR,
+                                group_size: int = 128) -> Path:
+    """The bench model quantized to 4 bits by the project's quantize package (gptqmodel), built once beside it.
+
+    Calibration text is the bench tokenizer's own synthetic corpus. The weights are random, so what this model
+    says means nothing; what it costs to serve is what a 4-bit snapshot of this shape costs.
+    """
+    import tempfile
+
+    from quantize.calibration import build_calibration_set
+    from quantize.config import QuantizeConfig
+
+    source = build_bench_model(source)
+    out = source.with_name(f"{source.name}-{method}-g{group_size}")
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoTokenizer
+
+    if method == "gptq":
+        from quantize.gptq import quantize_gptq as quantize
+    elif method == "awq":
+        from quantize.awq import quantize_awq as quantize
+    else:
+        raise ValueError(f"method: 'gptq' or 'awq', got {method!r}")
+    with tempfile.TemporaryDirectory(prefix="bench-calibration-") as tmp:
+        texts = Path(tmp) / "calibration.jsonl"
+        texts.write_text("".join(json.dumps({"text": line}) + "\n" for line in _corpus(1, 512)))
+        calibration = build_calibration_set(texts, AutoTokenizer.from_pretrained(str(source)), num_samples=64,
+                                            seq_len=256)
+        config = QuantizeConfig(bits=4, group_size=group_size, calibration_samples=64, calibration_seq_len=256)
+        staged = quantize(source, Path(tmp) / "model", calibration, config)
+        import shutil
+
+        shutil.copytree(staged, out.with_name(out.name + ".tmp"), dirs_exist_ok=True)
+        out.with_name(out.name + ".tmp").rename(out)
+    return out
+
+
 def weight_bytes(model_dir: Path) -> int:
     """Bytes of every tensor in the checkpoint: what one decode step must stream from memory."""
     from safetensors import safe_open
@@ -117,7 +155,7 @@ def weight_bytes(model_dir: Path) -> int:
                 n = 1
                 for d in t.get_shape():
                     n *= d
-                total += n * {"F32": 4, "F16": 2, "BF16": 2}.get(t.get_dtype(), 4)
+                total += n * {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1, "I8": 1}.get(t.get_dtype(), 4)
     return total
 
 

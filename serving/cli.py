@@ -61,7 +61,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default: torch's choice)")
     p.add_argument("--model-impl", default=d.model_impl, choices=["auto", "hf", "compact"],
                    help="forward pass: the compact Llama path when the checkpoint allows it (GPTQ/AWQ "
-                        "snapshots are dequantized for it), or the Hugging Face one (default: %(default)s)")
+                        "snapshots are served from their 4-bit codes), or the Hugging Face one (default: %(default)s)")
+    p.add_argument("--dequantize", action="store_true", default=d.dequantize,
+                   help="serve a GPTQ/AWQ snapshot on the compact path from fp32 copies of its weights instead of "
+                        "its 4-bit codes (more memory, no faster; for comparison)")
     p.add_argument("--speculative-tokens", type=int, default=d.speculative_tokens,
                    help="speculative decoding: tokens guessed per step for greedy requests, from the context "
                         "(n-gram lookup) or by --speculative-model (0 = off; try 4) (default: %(default)s)")
@@ -90,7 +93,8 @@ def engine_config_from_args(args: argparse.Namespace):
                             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                             enable_chunked_prefill=not args.no_chunked_prefill, dtype=args.dtype,
                             device=args.device, threads=args.threads,
-                            model_impl=args.model_impl, speculative_tokens=args.speculative_tokens,
+                            model_impl=args.model_impl, dequantize=args.dequantize,
+                            speculative_tokens=args.speculative_tokens,
                             speculative_model=args.speculative_model)
     except ValueError as e:
         raise ServeError(f"serve: {e}") from e

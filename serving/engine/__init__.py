@@ -1,10 +1,14 @@
 """Continuous-batching inference engine with a paged KV cache.
 
-Importing this package before torch makes OpenMP worker threads wait passively: with the default
-(spinning) policy, torch threads on a shared host spin against the neighbours' work and each small
-parallel kernel (the decode attention) slows down by orders of magnitude (``benchmarks/RESULTS.md``,
-"Threads"). It only takes effect if torch is not loaded yet; set ``OMP_WAIT_POLICY=PASSIVE`` in the
-environment to be sure.
+Importing this package before torch sets how OpenMP worker threads wait between parallel regions (only
+where the environment does not say already; it only takes effect if torch is not loaded yet):
+- ``OMP_WAIT_POLICY=PASSIVE``: with the default policy, workers spin for ~300k iterations after every region;
+  on a shared host they spin against the neighbours' work and each small parallel kernel (the decode
+  attention) slows down by orders of magnitude (``benchmarks/RESULTS.md``, "Threads").
+- ``GOMP_SPINCOUNT=10000``: a purely passive worker sleeps at once and every parallel region then pays a
+  wake-up (~100 µs measured for a 512x512 GEMV that computes in ~15 µs). A decode step runs ~50 regions back
+  to back, so at batch 1 that was half the step. A short bounded spin (tens of µs) keeps the workers awake
+  across the regions of one step and lets them sleep between steps (``benchmarks/RESULTS.md``, "Batch-1").
 
 The names below load on first use (PEP 562): the light modules (``config``, ``errors``,
 ``sampling_params``) import without torch, so the CLI can read ``EngineConfig``'s defaults for `--help`.
@@ -17,6 +21,7 @@ import os
 from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 _EXPORTS = {
     "EngineConfig": "serving.engine.config",

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from serving.engine.attention import AttentionMetadata, paged_attention
+from serving.engine.int4_linear import Int4Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -85,16 +86,38 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+Projection = Linear | Int4Linear
+
+
+def _projection(mods: list[torch.nn.Linear], group_scales: dict[torch.nn.Module, torch.Tensor | None]) -> Projection:
+    """One projection computing ``mods`` side by side (their weights stacked along the output dimension).
+
+    4-bit codes (``Int4Linear``) when every part came from a quantized layer with per-group scales and the
+    codes can be recovered exactly; otherwise the fp32 ``Linear``.
+    """
+    weight = torch.cat([m.weight for m in mods]).contiguous() if len(mods) > 1 else mods[0].weight
+    biases = [m.bias for m in mods]
+    bias = None
+    if all(b is not None for b in biases):
+        bias = torch.cat(biases).contiguous() if len(mods) > 1 else biases[0]
+    scales = [group_scales.get(m) for m in mods]
+    if scales and all(sc is not None for sc in scales) and len({sc.shape[1] for sc in scales}) == 1:
+        packed = Int4Linear.from_dense(weight, torch.cat(scales), bias)
+        if packed is not None:
+            return packed
+    return Linear(weight, bias)
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor
     eps1: float
-    qkv: Linear
-    o: Linear
+    qkv: Projection
+    o: Projection
     ln2: torch.Tensor
     eps2: float
-    gate_up: Linear
-    down: Linear
+    gate_up: Projection
+    down: Projection
 
 
 def _eps(norm: torch.nn.Module) -> float:
@@ -102,8 +125,12 @@ def _eps(norm: torch.nn.Module) -> float:
 
 
 class CompactLlama:
-    def __init__(self, model: torch.nn.Module, max_positions: int, kernels: ModuleType | None = None) -> None:
-        """``kernels``: ``cpu_kernels.load()`` for fp32 CPU weights (fused residual add + RMSNorm), else None."""
+    def __init__(self, model: torch.nn.Module, max_positions: int, kernels: ModuleType | None = None,
+                 group_scales: dict[torch.nn.Module, torch.Tensor | None] | None = None) -> None:
+        """``kernels``: ``cpu_kernels.load()`` for fp32 CPU weights (fused residual add + RMSNorm), else None.
+        ``group_scales``: per-group scales of the layers a quantized checkpoint was dequantized into
+        (``dequantize.dequantize_linears``); those layers are served from 4-bit codes where possible."""
+        group_scales = group_scales or {}
         inner = model.model
         self.kernels = kernels
         cfg = model.config
@@ -116,16 +143,13 @@ class CompactLlama:
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
-            biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
-            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
-            qkv_b = torch.cat(biases).contiguous() if all(b is not None for b in biases) else None
             L = _Layer(
                 ln1=layer.input_layernorm.weight, eps1=_eps(layer.input_layernorm),
-                qkv=Linear(qkv_w, qkv_b),
-                o=Linear(a.o_proj.weight, a.o_proj.bias),
+                qkv=_projection([a.q_proj, a.k_proj, a.v_proj], group_scales),
+                o=_projection([a.o_proj], group_scales),
                 ln2=layer.post_attention_layernorm.weight, eps2=_eps(layer.post_attention_layernorm),
-                gate_up=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous()),
-                down=Linear(m.down_proj.weight))
+                gate_up=_projection([m.gate_proj, m.up_proj], group_scales),
+                down=_projection([m.down_proj], group_scales))
             self.layers.append(L)
             self._share([a.q_proj, a.k_proj, a.v_proj], L.qkv)
             self._share([a.o_proj], L.o)
@@ -148,15 +172,20 @@ class CompactLlama:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
 
+    @property
+    def projections(self) -> list[Projection]:
+        return [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
+
     @staticmethod
-    def _share(mods: list[torch.nn.Linear], fused: Linear) -> None:
-        """Hold weights once. Plain weight: point the HF projections at slices of it. Packed (opaque layout,
-        cannot be sliced): empty the HF weights instead; the HF forward is never run once the compact path
-        is chosen, and would fail loudly on the empty weight rather than compute wrongly."""
+    def _share(mods: list[torch.nn.Linear], fused: Projection) -> None:
+        """Hold weights once. Plain weight: point the HF projections at slices of it. Packed (oneDNN's opaque
+        layout or 4-bit codes, cannot be sliced): empty the HF weights instead; the HF forward is never run once
+        the compact path is chosen, and would fail loudly on the empty weight rather than compute wrongly."""
+        plain = isinstance(fused, Linear) and not fused.packed
         start = 0
         for mod in mods:
             n = mod.weight.shape[0]
-            w = mod.weight.new_empty(0) if fused.packed else fused.weight[start:start + n]
+            w = fused.weight[start:start + n] if plain else mod.weight.new_empty(0)
             mod.weight = torch.nn.Parameter(w, requires_grad=False)
             if fused.bias is not None:
                 mod.bias = torch.nn.Parameter(fused.bias[start:start + n], requires_grad=False)

@@ -33,6 +33,9 @@ class EngineConfig:
     seed: int = 0
     # "auto": compact Llama forward when the checkpoint allows it, else HF; "hf" / "compact" force one
     model_impl: str = "auto"
+    # GPTQ/AWQ snapshots on the compact path: False serves them from their 4-bit codes (serving.engine.int4_linear),
+    # True from fp32 copies of the dequantized weights (about 5-8x the weight memory, fp32 speed)
+    dequantize: bool = False
     # speculative decoding: tokens guessed per step for greedy requests (0 = off), by n-gram prompt lookup
     # unless ``speculative_model`` names a draft model
     speculative_tokens: int = 0

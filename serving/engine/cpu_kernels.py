@@ -484,28 +484,36 @@ def _cpu_tag() -> str:
     return hashlib.sha1((flags or platform.processor() or platform.machine()).encode()).hexdigest()[:8]
 
 
+def build(name: str, source: str, functions: list[str]) -> ModuleType | None:
+    """Compile ``source`` for this CPU (cached per CPU-flag set), or None when it cannot be built here: no
+    compiler, a failed build, or ``LLM_LIFECYCLE_CPU_KERNELS=0``. Callers keep their torch path on None."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("CPU kernels (%s) disabled by %s=0", name, ENV_SWITCH)
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.info("no C++ compiler: %s unavailable, torch ops are used", name)
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        # -fopenmp: at::parallel_for splits work over threads only when the extension itself is built with
+        # OpenMP (without it the pragma inside ATen's header is ignored and every kernel runs on one thread);
+        # the extension then binds to the libgomp torch already loaded, so both share one thread pool
+        return load_inline(f"{name}_{_cpu_tag()}", source, functions=functions,
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # any build or load failure means: use the torch path
+        log.warning("CPU kernels %s unavailable (%s: %s); torch ops are used", name, type(e).__name__, e)
+        return None
+
+
 def load() -> ModuleType | None:
     """The compiled module, or None: ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
     out)``, ``add_rms_norm(h, delta_or_None, weight, eps, out)`` and ``rope(qkv, positions, cos, sin, nq, nk,
     q_out, k_out)``."""
     global _kernels, _tried
-    if _tried:
-        return _kernels
-    _tried = True
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        log.info("CPU kernels disabled by %s=0", ENV_SWITCH)
-        return None
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        log.info("no C++ compiler: the engine uses torch ops for decode attention and RMSNorm")
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        _kernels = load_inline(f"llm_lifecycle_cpu_kernels_{_cpu_tag()}", CPP_SOURCE,
-                               functions=["paged_decode", "add_rms_norm", "rope"],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
-    except Exception as e:  # any build or load failure means: use the torch path
-        log.warning("CPU kernels unavailable (%s: %s); the engine uses torch ops", type(e).__name__, e)
+    if not _tried:
+        _tried = True
+        _kernels = build("llm_lifecycle_cpu_kernels", CPP_SOURCE, ["paged_decode", "add_rms_norm", "rope"])
     return _kernels
 
 

@@ -21,6 +21,7 @@ from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChun
 from serving.engine.config import EngineConfig
 from serving.engine.dequantize import dequantize_linears, is_quantized
 from serving.engine.errors import ModelLoadError
+from serving.engine.int4_linear import Int4Linear
 from serving.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,9 @@ class ModelRunner:
 
         if self.config.model_impl == "hf":
             return None
+        group_scales = {}
         if is_quantized(self.model) and self.device.type == "cpu":
-            dequantize_linears(self.model, torch.float32)  # see serving.engine.dequantize for why
+            group_scales = dequantize_linears(self.model, torch.float32)  # see serving.engine.dequantize for why
         why = unsupported_reason(self.model)
         if why is not None:
             if self.config.model_impl == "compact":
@@ -107,7 +109,14 @@ class ModelRunner:
             return None
         cfg = self.model.config
         kernels = cpu_kernels.load() if cpu_kernels.supported(self.model.lm_head.weight) else None
-        return CompactLlama(self.model, getattr(cfg, "max_position_embeddings", 2048), kernels)
+        compact = CompactLlama(self.model, getattr(cfg, "max_position_embeddings", 2048), kernels,
+                               None if self.config.dequantize else group_scales)
+        if group_scales and not self.config.dequantize:
+            packed = [p for p in compact.projections if isinstance(p, Int4Linear)]
+            log.info("4-bit weights: %d of %d projections served from 4-bit codes (%.1f MB; %.1f MB as fp32)",
+                     len(packed), len(compact.projections), sum(p.nbytes for p in packed) / 1e6,
+                     sum(p.out_features * p.in_features * 4 for p in packed) / 1e6)
+        return compact
 
     def _num_blocks(self) -> int:
         if self.config.num_blocks is not None:
