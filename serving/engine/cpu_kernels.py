@@ -12,7 +12,8 @@ enough live registers that nothing spills: 2-2.8x the 16-lane path there); other
 ``[num_blocks, block_size, kv_heads, head_dim]``.
 
 ``add_rms_norm``: ``h += delta`` (the residual add, in place) and ``out = rms_norm(h) * weight`` in one pass.
-``F.rms_norm`` on CPU runs as several ops.
+``F.rms_norm`` on CPU runs as several ops. ``silu_mul``: the gated MLP's ``silu(gate) * up`` from the fused
+gate/up projection in one pass (chunk, silu and mul were three ops and two temporaries per layer).
 
 The measurements (attention alone, RMSNorm and rotary per call, the whole decode step) are in
 ``benchmarks/RESULTS.md``, "Serving, run 7"; ``benchmarks/decode_step.py`` reproduces the step timings.
@@ -435,6 +436,36 @@ void add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Te
   });
 }
 
+// The SiLU-gated MLP's middle: out [T, I] = silu(gu[:, :I]) * gu[:, I:] for a fused gate/up projection gu [T, 2I]
+// (one pass instead of chunk, silu and mul as three ops with two temporaries). silu(x) = x * sigmoid(x), the
+// sigmoid from e = exp(-|x|) so the exponential never overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below.
+void silu_mul(torch::Tensor gu, torch::Tensor out) {
+  TORCH_CHECK(gu.dtype() == torch::kFloat && out.dtype() == torch::kFloat && gu.is_contiguous()
+              && out.is_contiguous() && gu.dim() == 2 && out.dim() == 2 && gu.size(0) == out.size(0)
+              && gu.size(1) == 2 * out.size(1), "silu_mul: contiguous fp32 gu [T, 2I], out [T, I]");
+  const int64_t T = out.size(0), I = out.size(1), IV = I / 16 * 16;
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = gp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      for (int64_t i = 0; i < IV; i += 16) {
+        const v16 x = load16(g + i);
+        const v16 ax = x < 0.f ? -x : x;
+        const v16 e = exp16(-ax);
+        const v16 sig = (x >= 0.f ? (v16){} + 1.f : e) / (1.f + e);
+        store16(o + i, x * sig * load16(u + i));
+      }
+      for (int64_t i = IV; i < I; ++i) {
+        const float x = g[i], e = exp_nonpos(-std::fabs(x));
+        o[i] = x * ((x >= 0.f ? 1.f : e) / (1.f + e)) * u[i];
+      }
+    }
+  });
+}
+
 // Rotary embedding of the q and k heads of a fused qkv [T, W] row (HF rotate_half convention):
 // q_out [T, nq, D], k_out [T, nk, D]; cos/sin [P, D] tables indexed by positions [T].
 void rope(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t nq,
@@ -508,12 +539,12 @@ def build(name: str, source: str, functions: list[str]) -> ModuleType | None:
 
 def load() -> ModuleType | None:
     """The compiled module, or None: ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-    out)``, ``add_rms_norm(h, delta_or_None, weight, eps, out)`` and ``rope(qkv, positions, cos, sin, nq, nk,
-    q_out, k_out)``."""
+    out)``, ``add_rms_norm(h, delta_or_None, weight, eps, out)``, ``rope(qkv, positions, cos, sin, nq, nk,
+    q_out, k_out)`` and ``silu_mul(gu, out)``."""
     global _kernels, _tried
     if not _tried:
         _tried = True
-        _kernels = build("llm_lifecycle_cpu_kernels", CPP_SOURCE, ["paged_decode", "add_rms_norm", "rope"])
+        _kernels = build("llm_lifecycle_cpu_kernels", CPP_SOURCE, ["paged_decode", "add_rms_norm", "rope", "silu_mul"])
     return _kernels
 
 
