@@ -11,7 +11,7 @@ ours/vllm with the range of the per-round ratios. Prompt tokens are fresh for ev
 reuses a cached prefix. Per server and level: output tok/s (completion tokens / time to the last token), TTFT
 and inter-token latency p50/p99.
 
-    VLLM_PYTHON=/work/vllm-venv/bin/python .venv/bin/python benchmarks/http_serving.py --model bench --threads 2
+    VLLM_PYTHON=VENV/bin/python .venv/bin/python benchmarks/http_serving.py --model bench --threads 2
 
 Each server keeps its own OpenMP settings (ours: ``serving.engine``'s defaults; vllm: its own), so do not set
 ``OMP_WAIT_POLICY`` for the run. ``--model bench`` is the 32M-parameter bench Llama (hidden 512, 8 layers;

@@ -146,6 +146,9 @@ def main() -> int:
         results: dict[str, dict[str, list]] = {name: {"c16": [], "c1": []} for name in systems}
         replies: dict[str, list[list[str]]] = {}
         memory = {name: weight_mb(model, flags) for name, (model, flags) in systems.items()}
+        import logging
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # gptqmodel's import turned request logging on
         with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
             children, urls = {}, {}
             try:

@@ -168,7 +168,9 @@ class LocalFleet:
     def _spawn(self, args: list[str], log_name: str) -> tuple[int, Path]:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = self.logs / log_name
-        env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+        # the local fleet runs several replicas (and the gateway) on one machine's cores: their OpenMP workers
+        # sleep at once instead of spinning against each other (serving.engine's default spins a little)
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
         with open(log, "ab") as handle:
             proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)

@@ -76,7 +76,12 @@ def test_fewer_engine_steps_when_the_reply_repeats_its_context(micro_base_dir, m
 
 
 def test_stop_rules_apply_inside_an_accepted_guess(engines):
-    plain, spec = engines
+    assert_stop_rules_match(*engines)
+
+
+def assert_stop_rules_match(plain: LLMEngine, spec: LLMEngine) -> None:
+    """Length, stop string, stop id and min_tokens end a speculating request exactly where they end a plain one
+    (the rule may land inside a run of accepted guesses). Shared with the draft-model tests."""
     (reference,) = plain.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     stop_text = reference.text[len(reference.text) // 2:][:3]
     cases = [SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),  # length lands mid-guess

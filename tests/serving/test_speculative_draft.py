@@ -19,7 +19,7 @@ from serving.cli import main
 from serving.engine import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
 from serving.engine.draft_model import DraftModelProposer
 from tests.serving.test_api_server import MODEL, running_server
-from tests.serving.test_speculative import PROMPTS
+from tests.serving.test_speculative import PROMPTS, assert_stop_rules_match
 
 REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -149,16 +149,7 @@ def test_a_smaller_draft_changes_no_token_at_batch_1_or_batched(plain, small_dra
 @pytest.mark.parametrize("which", ["self", "small"])
 def test_stop_rules_apply_inside_an_accepted_guess(plain, self_draft, small_draft, which):
     spec = self_draft if which == "self" else small_draft
-    (reference,) = plain.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    stop_text = reference.text[len(reference.text) // 2:][:3]
-    cases = [SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),  # length lands mid-guess
-             SamplingParams(temperature=0, max_tokens=40, stop=[stop_text]),  # stop string
-             SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[reference.token_ids[9]]),
-             SamplingParams(temperature=0, max_tokens=40, min_tokens=5)]
-    for params in cases:
-        (a,), (b,) = plain.generate([PROMPTS[0]], params), spec.generate([PROMPTS[0]], params)
-        assert (b.token_ids, b.text, b.finish_reason, b.outputs[0].stop_reason) == \
-            (a.token_ids, a.text, a.finish_reason, a.outputs[0].stop_reason), params
+    assert_stop_rules_match(plain, spec)
     assert _draft_blocks_all_free(spec)
 
 
