@@ -64,7 +64,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "snapshots are served from their 4-bit codes), or the Hugging Face one (default: %(default)s)")
     p.add_argument("--dequantize", action="store_true", default=d.dequantize,
                    help="serve a GPTQ/AWQ snapshot on the compact path from fp32 copies of its weights instead of "
-                        "its 4-bit codes (more memory, no faster; for comparison)")
+                        "its 4-bit codes (several times the weight memory, and slower; for comparison)")
     p.add_argument("--speculative-tokens", type=int, default=d.speculative_tokens,
                    help="speculative decoding: tokens guessed per step for greedy requests, from the context "
                         "(n-gram lookup) or by --speculative-model (0 = off; try 4) (default: %(default)s)")

@@ -524,17 +524,26 @@ def build(name: str, source: str, functions: list[str]) -> ModuleType | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         log.info("no C++ compiler: %s unavailable, torch ops are used", name)
         return None
-    try:
-        from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load_inline
 
-        # -fopenmp: at::parallel_for splits work over threads only when the extension itself is built with
-        # OpenMP (without it the pragma inside ATen's header is ignored and every kernel runs on one thread);
-        # the extension then binds to the libgomp torch already loaded, so both share one thread pool
-        return load_inline(f"{name}_{_cpu_tag()}", source, functions=functions,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # any build or load failure means: use the torch path
-        log.warning("CPU kernels %s unavailable (%s: %s); torch ops are used", name, type(e).__name__, e)
-        return None
+    # -fopenmp: at::parallel_for splits work over threads only when the extension itself is built with OpenMP
+    # (without it the pragma inside ATen's header is ignored and every kernel runs on one thread); the extension
+    # then binds to the libgomp torch already loaded, so both share one thread pool. A compiler without OpenMP
+    # still gets the kernels, single-threaded.
+    attempts = [("", ["-fopenmp"], ["-fopenmp"]), ("_serial", ["-fopenmp-simd"], [])]
+    for suffix, cflags, ldflags in attempts:
+        try:
+            module = load_inline(f"{name}_{_cpu_tag()}{suffix}", source, functions=functions,
+                                 extra_cflags=["-O3", "-march=native", *cflags], extra_ldflags=ldflags)
+        except Exception as e:  # any build or load failure: try the next flags, then the torch path
+            log.warning("CPU kernels %s did not build with %s (%s: %s)", name, " ".join(cflags),
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            continue
+        if suffix:
+            log.warning("CPU kernels %s built without OpenMP: they run on one thread", name)
+        return module
+    log.warning("CPU kernels %s unavailable; torch ops are used", name)
+    return None
 
 
 def load() -> ModuleType | None:

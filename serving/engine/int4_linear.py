@@ -315,8 +315,8 @@ void int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, tor
 }
 
 
-// w.T [K, N] fp32 from the packed form (the weights the codes stand for, transposed), into out (reused
-// scratch): each column pair of a tile is two contiguous 16-float rows of w.T, so every write is a full vector.
+// w.T [K, N] fp32 from the packed form (the weights the codes stand for, transposed), into out: each column pair
+// of a tile is two contiguous 16-float rows of w.T, so every write is a full vector.
 void int4_expand(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, torch::Tensor out) {
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous() && out.is_contiguous()
               && out.dtype() == torch::kFloat, "int4_expand: contiguous tensors, fp32 out");

@@ -109,9 +109,11 @@ class ModelRunner:
             return None
         cfg = self.model.config
         kernels = cpu_kernels.load() if cpu_kernels.supported(self.model.lm_head.weight) else None
-        compact = CompactLlama(self.model, getattr(cfg, "max_position_embeddings", 2048), kernels,
-                               None if self.config.dequantize else group_scales)
-        if group_scales and not self.config.dequantize:
+        # the 4-bit kernels take fp32 activations: other dtypes keep the dequantized weights
+        if self.config.dequantize or self.dtype != torch.float32:
+            group_scales = {}
+        compact = CompactLlama(self.model, getattr(cfg, "max_position_embeddings", 2048), kernels, group_scales)
+        if group_scales:
             packed = [p for p in compact.projections if isinstance(p, Int4Linear)]
             log.info("4-bit weights: %d of %d projections served from 4-bit codes (%.1f MB; %.1f MB as fp32)",
                      len(packed), len(compact.projections), sum(p.nbytes for p in packed) / 1e6,
