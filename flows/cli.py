@@ -16,7 +16,7 @@ from artifacts.common.cli import run_cli
 # Packages that contribute subcommands through `register_cli(subparsers)`; imported lazily so that
 # `lifecycle --help` does not pay for torch/transformers imports.
 _SUBCOMMAND_PROVIDERS = ("flows.run_cli", "artifacts.cli", "evals.cli", "quantize.cli", "serving.cli",
-                         "serving.gateway.cli", "flows.rollout_cli", "flows.schedule_cli")
+                         "serving.gateway.cli", "flows.rollout_cli", "flows.schedule_cli", "training.draft_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""The lifecycle flow: base → data → SFT → DPO → GRPO → quantize → bundle → verify → register → evals → rollout.
+"""The lifecycle flow: base → data → SFT → DPO → GRPO → (draft) → quantize → bundle → verify → register → evals →
+rollout.
 
 Each stage reads the previous stage's output directory and writes its own, so any stage can be re-run,
 cached or moved to another machine; this module only decides the order, the cache keys and the MLflow run
@@ -161,6 +162,33 @@ def training_stage(ctx: PipelineContext, name: str, previous: StageOutput, data:
         return dict(result.metrics), info
 
     return ctx.run(name, key, train, params={"input_model": previous.path, **_asdict(config)})
+
+
+def draft_stage(ctx: PipelineContext, model: StageOutput, data: StageOutput) -> StageOutput:
+    """A distilled draft of the final full-precision model, for `serve --speculative-model` (recipe `draft:`).
+
+    It learns from the text the model learned from: the embedded corpus for the embedded base, else the data
+    stage's SFT chats. Nothing later reads it; the report says how to serve with it."""
+    config = ctx.recipe.draft
+    section = ctx.recipe.base
+    key = stage_key("draft", config.recipe(), model.key, data.key)
+
+    def build(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        from training.draft import DRAFT_RECORD, build_draft, data_stage_texts
+
+        if section.is_embedded:
+            from training.corpus import build_corpus
+
+            texts, source = build_corpus(section.embedded.corpus_spec()), "the embedded corpus"
+        else:
+            texts, source = data_stage_texts(Path(data.path)), "the data stage's SFT chats"
+        # overwrite: a previous attempt may have published the draft but died before the stage's marker
+        result = build_draft(model.path, out_dir / "draft", config, texts, overwrite=True)
+        mlflow.log_artifact(str(result.path / DRAFT_RECORD))
+        return result.metrics(), {"path": str(result.path), "target": model.path,
+                                  "layers": f"{result.layers} of {result.target_layers}", "text_source": source}
+
+    return ctx.run("draft", key, build, params={"input_model": model.path, **_asdict(config)})
 
 
 def quantize_stage(ctx: PipelineContext, model: StageOutput, data: StageOutput) -> StageOutput:
@@ -339,6 +367,11 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
                                                   report.evals[model_label].metrics))
             model_label = name
 
+        draft = None
+        if recipe.draft is not None:
+            draft = draft_stage(ctx, model, data)
+            report.add_stage(draft)
+
         model_variants: dict[str, tuple[str, StageOutput, str | None]] = {"fp": (model.path, model, None)}
         quantized = None
         if recipe.quantize is not None:
@@ -361,6 +394,9 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
                 alias = f" @{release.info['alias']}" if "alias" in release.info else ""
                 report.notes.append(f"{variant}: registered {release.info['model_uri']}{alias} "
                                     f"({release.info['gates']})")
+
+        if draft is not None:
+            report.notes.append(draft_note(draft, releases.get(ctx.ship_variant)))
 
         rollout = rollout_stage(ctx, releases.get(ctx.ship_variant), data)
         if rollout is not None:
@@ -389,6 +425,15 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
 def quantized_table(report: PipelineReport) -> str:
     stage = next((s for s in report.stages if s.stage == "quantize"), None)
     return stage.info.get("fidelity_table", "") if stage is not None else ""
+
+
+def draft_note(draft: StageOutput, shipped: StageOutput | None) -> str:
+    """The report's line on the draft: what it agrees on, and the exact command that serves with it."""
+    served = shipped.path if shipped is not None else draft.info["target"]
+    before, after = draft.metrics.get("agreement_before", 0.0), draft.metrics.get("agreement_after", 0.0)
+    return (f"draft model ({draft.info.get('layers', '?')} layers, argmax agreement with its target "
+            f"{before:.2f} → {after:.2f} on held-out text): `{draft.path}`; serve with it: "
+            f"`lifecycle serve {served} --speculative-tokens 4 --speculative-model {draft.path}`")
 
 
 def _last_run_file(ctx: PipelineContext) -> Path:
@@ -423,7 +468,7 @@ def _nothing_new(ctx: PipelineContext, data: StageOutput, report: PipelineReport
 def _lineage(ctx: PipelineContext, data: StageOutput, model_path: str, lineage_cls: Any) -> Any:
     base = ctx.outputs["base"]
     stage_runs = {name: out.mlflow_run_id for name, out in ctx.outputs.items()
-                  if out.mlflow_run_id and not name.startswith(("eval-", "release-", "bundle-"))}
+                  if out.mlflow_run_id and not name.startswith(("eval-", "release-", "bundle-", "draft"))}
     return lineage_cls(
         base_model=ctx.recipe.base.source,
         base_model_digest=base.key,

@@ -61,7 +61,8 @@ def check_model_fit(recipe: Recipe, config: dict[str, Any], where: str) -> None:
     What is checked, in pipeline order: the model is a Llama-family type the bundle stage can package; each
     enabled training stage's `lora.target_modules` names linear layers the model has and its `max_seq_len`
     fits the context (`max_position_embeddings`), GRPO's `max_completion_length` leaves room for a prompt;
-    `evals.max_new_tokens` leaves room for a prompt; `quantize.calibration_seq_len` fits the context and
+    `evals.max_new_tokens` leaves room for a prompt; `draft.layers` keeps fewer layers than the model has and
+    `draft.seq_len` fits the context; `quantize.calibration_seq_len` fits the context and
     `quantize.group_size` / `quantize.methods` fit the layer widths; `bundle.max_context` fits the context;
     every `bundle.tp_degrees` entry fits the heads (see `artifacts.shard_plan`) and every split tensor of
     the full-precision bundle and of each quantized one.
@@ -97,6 +98,14 @@ def check_model_fit(recipe: Recipe, config: dict[str, Any], where: str) -> None:
              "must fit")
     if recipe.evals.max_new_tokens >= context:
         fail("evals.max_new_tokens", f"{recipe.evals.max_new_tokens} leaves no room for a prompt in {in_context}")
+
+    draft = recipe.draft
+    if draft is not None:
+        if draft.layers >= arch.num_layers:
+            fail("draft.layers", f"{draft.layers} keeps all of the model's {arch.num_layers} decoder layers; a draft "
+                                 "keeps fewer")
+        if draft.seq_len > context:
+            fail("draft.seq_len", f"{draft.seq_len} exceeds {in_context}")
 
     quantize = recipe.quantize
     if quantize is not None:

@@ -20,6 +20,7 @@ from quantize.config import QuantizeConfig
 from serving.rollout.plan import RolloutPlan
 from training.base_model import BaseModelConfig
 from training.data import DataConfig
+from training.draft_config import DraftConfig
 from training.stage_config import DPOStageConfig, GRPOStageConfig, SFTStageConfig
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -113,6 +114,8 @@ class Recipe:
     evals: EvalConfig = field(default_factory=EvalConfig)
     training: TrainingSection = field(default_factory=TrainingSection)
     quantize: Optional[QuantizeConfig] = field(default_factory=QuantizeConfig)  # null: ship full precision only
+    # A distilled draft of the final model for `serve --speculative-model`; absent or null: none is built.
+    draft: Optional[DraftConfig] = None
     bundle: BundleConfig = field(default_factory=lambda: BundleConfig(name="tiny-default"))
     registry: RegistrySection = field(default_factory=RegistrySection)
     rollout: RolloutSection = field(default_factory=RolloutSection)

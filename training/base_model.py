@@ -187,13 +187,18 @@ def _is_complete(path: Path) -> bool:
     return (path / RECIPE_FILE).is_file() and (path / "model.safetensors").is_file()
 
 
+def warmup_cosine_lr(step: int, *, lr: float, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` (pretraining and draft distillation)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    floor = lr * min_lr_ratio
+    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
 def _lr_at(step: int, config: BaseModelConfig) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    floor = config.lr * config.min_lr_ratio
-    return floor + 0.5 * (config.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+    return warmup_cosine_lr(step, lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps,
+                            min_lr_ratio=config.min_lr_ratio)
 
 
 def _train_into(config: BaseModelConfig, out_dir: Path) -> None:
@@ -311,32 +316,35 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def validate_model_dir(path: Path) -> Path:
-    """Check that ``path`` is a loadable causal-LM directory; BaseModelError says what is missing."""
+def validate_model_dir(path: Path, what: str = "base model") -> Path:
+    """Check that ``path`` is a loadable causal-LM directory; BaseModelError says what is missing.
+
+    ``what`` starts every message (``base model``, or e.g. ``draft target`` for another stage's input)."""
     if not path.exists():
-        raise BaseModelError(f"base model {path}: no such directory (and not 'embedded')")
+        alternative = " (and not 'embedded')" if what == "base model" else ""
+        raise BaseModelError(f"{what} {path}: no such directory{alternative}")
     if not path.is_dir():
-        raise BaseModelError(f"base model {path}: not a directory")
+        raise BaseModelError(f"{what} {path}: not a directory")
     config_path = path / "config.json"
     if not config_path.is_file():
-        raise BaseModelError(f"base model {path}: missing config.json")
+        raise BaseModelError(f"{what} {path}: missing config.json")
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise BaseModelError(f"base model {path}: config.json is not valid JSON ({exc})") from None
+        raise BaseModelError(f"{what} {path}: config.json is not valid JSON ({exc})") from None
     if "model_type" not in raw:
-        raise BaseModelError(f"base model {path}: config.json has no model_type")
+        raise BaseModelError(f"{what} {path}: config.json has no model_type")
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
         hf_config = AutoConfig.from_pretrained(str(path))
     except (ValueError, OSError, KeyError) as exc:
-        raise BaseModelError(f"base model {path}: config.json does not load ({exc})") from None
+        raise BaseModelError(f"{what} {path}: config.json does not load ({exc})") from None
     if hf_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise BaseModelError(f"base model {path}: model_type {hf_config.model_type!r} is not a causal LM")
+        raise BaseModelError(f"{what} {path}: model_type {hf_config.model_type!r} is not a causal LM")
     if not any((path / name).is_file() for name in _WEIGHT_FILES) and not list(path.glob("*.safetensors")):
-        raise BaseModelError(f"base model {path}: missing weights (model.safetensors or an index)")
+        raise BaseModelError(f"{what} {path}: missing weights (model.safetensors or an index)")
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise BaseModelError(f"base model {path}: missing tokenizer (tokenizer.json)")
+        raise BaseModelError(f"{what} {path}: missing tokenizer (tokenizer.json)")
     return path

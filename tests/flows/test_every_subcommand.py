@@ -59,6 +59,7 @@ def lifecycle_cases(tmp: Path) -> dict[tuple[str, ...], Case]:
         ("eval",): Case([nope, nope], "model dir not found"),
         ("quantize",): Case(["--model", nope, "--data", nope, "--out", str(tmp / "q")], "config.json: not found"),
         ("serve",): Case([nope], "not a directory"),
+        ("draft", "build"): Case(["--target", nope, "--out", str(tmp / "draft")], "no such directory"),
         ("gateway",): Case([f"{nope}.yaml"], "no such config file"),
         ("gateway-keys", "add"): Case(["k", "--keys-file", str(not_keys)], "not a keys file"),
         ("gateway-keys", "list"): Case(["--keys-file", f"{nope}.yaml"], "keys file not found"),

@@ -14,7 +14,7 @@ import yaml
 
 LIFECYCLE = [sys.executable, "-m", "flows.cli"]
 EXPECTED_STAGES = {
-    "base", "data", "eval-base", "sft", "eval-sft", "dpo", "eval-dpo", "grpo", "eval-grpo", "quantize",
+    "base", "data", "eval-base", "sft", "eval-sft", "dpo", "eval-dpo", "grpo", "eval-grpo", "draft", "quantize",
     "bundle-fp", "eval-bundle-fp", "release-fp", "bundle-gptq", "eval-bundle-gptq", "release-gptq",
 }
 
@@ -44,6 +44,13 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
     change = {note.split(" vs ")[0]: note for note in summary["notes"] if " vs its input " in note}
     assert change["grpo"].startswith("grpo vs its input (dpo): task acc ") and "sampled acc" in change["grpo"]
     assert set(change) == {"sft", "dpo", "grpo"} and change["sft"].startswith("sft vs its input (base)")
+    # the draft of the final model, and the command that serves the shipped bundle with it
+    draft = summary["stages"]["draft"]
+    assert draft["target"] == summary["stages"]["grpo"]["path"]
+    assert json.loads((Path(draft["path"]) / "config.json").read_text())["num_hidden_layers"] == 1
+    serve = (f"lifecycle serve {summary['stages']['release-gptq']['path']} --speculative-tokens 4 "
+             f"--speculative-model {draft['path']}")
+    assert any(serve in note for note in summary["notes"]), summary["notes"]
 
     # MLflow: one pipeline run, one nested run per stage, eval metrics on the eval runs.
     workdir = Path(yaml.safe_load(micro_recipe.read_text())["workdir"])
