@@ -60,6 +60,8 @@ class _Draft:
 class DraftModelProposer:
     """Greedy guesses from a draft model with its own KV cache; see the module docstring."""
 
+    adaptive = True  # each guess is a draft forward pass: the engine asks for what a sequence lately keeps
+
     def __init__(self, model_dir: str | Path, config: EngineConfig, vocab_size: int, tokenizer: Any,
                  num_blocks: int) -> None:
         path = Path(model_dir)

@@ -30,7 +30,14 @@ from serving.engine.sampler import Sampler, prompt_logprobs
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq, Scheduler
 from serving.engine.sequence import Sequence
-from serving.engine.speculative import NgramProposer, Proposer, SpeculationStats, accepted_prefix, can_speculate
+from serving.engine.speculative import (
+    NgramProposer,
+    Proposer,
+    SpeculationStats,
+    accepted_prefix,
+    can_speculate,
+    next_lookahead,
+)
 
 log = logging.getLogger(__name__)
 
@@ -242,10 +249,13 @@ class LLMEngine:
         if self.proposer is None:
             return []
         seqs, rooms = [], []
+        adaptive = self.proposer.adaptive
         for seq in self.scheduler.running:
             if not can_speculate(seq):
                 continue
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            if adaptive and seq.spec_lookahead:
+                room = min(room, seq.spec_lookahead)
             if room > 0:
                 seqs.append(seq)
                 rooms.append(room)
@@ -275,6 +285,9 @@ class LLMEngine:
         drafts = seq.draft_token_ids
         emitted = accepted_prefix(drafts, greedy)
         _drop_drafts(seq)
+        if self.proposer is not None and self.proposer.adaptive:
+            k = self.config.speculative_tokens
+            seq.spec_lookahead = next_lookahead(seq.spec_lookahead or k, len(drafts), len(emitted) - 1, k)
         self.speculation.steps += 1
         self.speculation.drafted += len(drafts)
         self.speculation.accepted += len(emitted) - 1

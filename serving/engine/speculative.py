@@ -24,7 +24,7 @@ from typing import Protocol
 
 from serving.engine.sequence import Sequence
 
-__all__ = ["NgramProposer", "Proposer", "SpeculationStats", "accepted_prefix", "can_speculate"]
+__all__ = ["NgramProposer", "Proposer", "SpeculationStats", "accepted_prefix", "can_speculate", "next_lookahead"]
 
 
 @dataclass
@@ -44,7 +44,13 @@ def can_speculate(seq: Sequence) -> bool:
 
 
 class Proposer(Protocol):
-    """What the engine needs from a source of guesses."""
+    """What the engine needs from a source of guesses.
+
+    ``adaptive``: each guess costs the proposer work (a draft model's forward pass), so the engine asks each
+    sequence for as many guesses as it has lately been keeping (``next_lookahead``), not always ``k``. A
+    lookup that guesses for free keeps asking for ``k``."""
+
+    adaptive: bool
 
     def propose_many(self, seqs: list[Sequence], rooms: list[int]) -> dict[str, list[int]]:
         """Guesses for ``seqs`` (greedy decodes, real tokens only), at most ``rooms[i]`` tokens for ``seqs[i]``,
@@ -63,6 +69,8 @@ class NgramProposer:
     more specific context, so its continuation is more likely right. Searching only the last ``window``
     tokens bounds the cost of a step on long contexts.
     """
+
+    adaptive = False  # a guess costs a list scan, so asking for fewer saves nothing
 
     def __init__(self, k: int, max_n: int = 4, min_n: int = 2, window: int = 2048) -> None:
         if k < 1 or not 1 <= min_n <= max_n:
@@ -103,3 +111,16 @@ def accepted_prefix(drafts: list[int], greedy: list[int]) -> list[int]:
     while kept < len(drafts) and drafts[kept] == greedy[kept]:
         kept += 1
     return drafts[:kept] + [greedy[kept]]
+
+
+def next_lookahead(current: int, drafted: int, kept: int, k: int) -> int:
+    """How many guesses to ask a sequence for next step, after it kept ``kept`` of ``drafted``.
+
+    Every guess kept: two more next time (up to ``k``); any rejected: one fewer (down to 1). A draft model
+    pays a forward pass per guess, so on text it cannot predict (a one-layer draft on a passage the target
+    copies from its context, say) asking for ``k`` every step costs more passes than the kept guesses save;
+    the same rule in Hugging Face's assisted generation ("heuristic" schedule) keeps the cost near what the
+    guesses earn and climbs back within a few steps where they are kept again."""
+    if drafted and kept == drafted:
+        return min(k, current + 2)
+    return max(1, current - 1)

@@ -8,7 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams
-from serving.engine.speculative import NgramProposer, accepted_prefix
+from serving.engine.draft_model import DraftModelProposer
+from serving.engine.speculative import NgramProposer, accepted_prefix, next_lookahead
 from tests.serving.test_api_server import MODEL, running_server
 
 PROMPTS = [
@@ -29,6 +30,15 @@ def test_proposer_continues_the_latest_longest_match():
     assert proposer.propose([7, 7], limit=5) == []  # the suffix itself is not an earlier occurrence
     with pytest.raises(ValueError, match="speculation"):
         NgramProposer(k=0)
+
+
+def test_lookahead_grows_while_guesses_are_kept_and_shrinks_on_a_rejection():
+    k = 4
+    assert next_lookahead(1, drafted=1, kept=1, k=k) == 3
+    assert next_lookahead(3, drafted=3, kept=3, k=k) == k  # capped at k
+    assert next_lookahead(k, drafted=k, kept=2, k=k) == 3
+    assert next_lookahead(1, drafted=1, kept=0, k=k) == 1  # never below one guess
+    assert NgramProposer(k).adaptive is False and DraftModelProposer.adaptive is True
 
 
 def test_accepted_prefix_keeps_agreeing_guesses_then_the_models_token():

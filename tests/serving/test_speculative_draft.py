@@ -112,26 +112,30 @@ def test_guesses_are_the_drafts_own_greedy_continuation_after_any_history(reques
 def test_the_target_as_its_own_draft_has_every_guess_accepted(plain, self_draft):
     assert isinstance(self_draft.proposer, DraftModelProposer)
     steps = (plain.num_steps, self_draft.num_steps)
-    before = (self_draft.speculation.drafted, self_draft.speculation.accepted)
+    before = (self_draft.speculation.drafted, self_draft.speculation.accepted, self_draft.speculation.steps)
     for prompt in PROMPTS:  # batch 1
         (a,), (b,) = plain.generate([prompt], GREEDY), self_draft.generate([prompt], GREEDY)
         assert (b.token_ids, b.text) == (a.token_ids, a.text), prompt
     drafted = self_draft.speculation.drafted - before[0]
     accepted = self_draft.speculation.accepted - before[1]
     assert drafted > 0 and accepted / drafted >= 0.98
+    # every guess kept, so the adaptive lookahead stays at k (fewer only in a reply's last steps)
+    assert drafted / (self_draft.speculation.steps - before[2]) >= 3.5
     # k=4: up to 5 tokens a step, against one
     assert (self_draft.num_steps - steps[1]) * 3 < plain.num_steps - steps[0]
     assert _draft_blocks_all_free(self_draft)
 
 
 def test_a_smaller_draft_changes_no_token_at_batch_1_or_batched(plain, small_draft):
-    before = (small_draft.speculation.drafted, small_draft.speculation.accepted)
+    before = (small_draft.speculation.drafted, small_draft.speculation.accepted, small_draft.speculation.steps)
     for prompt in PROMPTS:
         (a,), (b,) = plain.generate([prompt], GREEDY), small_draft.generate([prompt], GREEDY)
         assert (b.token_ids, b.text) == (a.token_ids, a.text), prompt
     drafted = small_draft.speculation.drafted - before[0]
     accepted = small_draft.speculation.accepted - before[1]
     assert 0 < accepted < drafted  # a real draft: some guesses kept, some rejected
+    # after rejections the engine asks this draft for fewer than k guesses (each one is a draft pass)
+    assert drafted / (small_draft.speculation.steps - before[2]) < 3.5
     # batched with requests that cannot speculate: a seeded sampled one and a greedy one with logprobs
     params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=32, ignore_eos=True),
               SamplingParams(temperature=0, logprobs=2, max_tokens=32, ignore_eos=True), GREEDY]
