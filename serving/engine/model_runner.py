@@ -9,7 +9,11 @@ to the rows that need logits, and hand those logits back.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,7 +88,8 @@ class ModelRunner:
             raise ModelLoadError(f"{path}: not a model directory (config.json missing)")
         impl = attention.register()
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, attn_implementation=impl)
+            with _library_output_to_log(path):
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, attn_implementation=impl)
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"{path}: cannot load model: {e}") from e
         model.to(self.device)
@@ -240,3 +245,18 @@ class ModelRunner:
         prompt_logits = [(i, first, logits[lo:hi]) for i, first, lo, hi in prompt_spans]
         return StepLogits(sample_rows, sample_logits, prompt_logits,
                           {i: logits[lo:hi] for i, lo, hi in verify_spans})
+
+
+def _library_output_to_log(path: Path) -> contextlib.AbstractContextManager[None]:
+    """For a GPTQ/AWQ checkpoint, gptqmodel's banner and kernel-selection lines go to a log file in the temp
+    directory while it loads (the server's output says where); other checkpoints load as they are."""
+    try:
+        quantized = "quantization_config" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        quantized = False  # the loader reports an unreadable config
+    if not quantized:
+        return contextlib.nullcontext()
+    from artifacts.common.quiet import output_to_log
+
+    log_path = Path(tempfile.gettempdir()) / f"lifecycle-serve-{os.getpid()}-gptqmodel.log"
+    return output_to_log(log_path, f"loading the quantized checkpoint {path.name} (gptqmodel)")

@@ -3,11 +3,21 @@ and answers as the quantized model does through the Hugging Face forward (gptqmo
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams, int4_linear
 from serving.engine.int4_linear import Int4Linear
+from tests.serving.fleet_support import free_port, wait_ready
+
+REPO = Path(__file__).resolve().parents[2]
 
 PROMPTS = ["The quick brown fox", "Hello world", "Once upon a time", "What is 2 + 2?",
            "def add(a, b):", "Grüße aus München", "The park was", "Numbers: 1, 2, 3,"]
@@ -47,3 +57,26 @@ def test_the_hf_path_stays_available_for_quantized_checkpoints(real_quantized_di
                                                                                    block_size=8))
     assert engine.runner.compact is None
     assert getattr(engine.runner.model.config, "quantization_config", None) is not None
+
+
+def test_lifecycle_serve_keeps_gptqmodels_banner_out_of_its_output(real_quantized_dirs, tmp_path):
+    """The real command on a GPTQ checkpoint: gptqmodel's banner and kernel-selection lines, printed while the
+    engine core loads it, go to the log file the server's output names, not to the operator's terminal."""
+    port = free_port()
+    output = tmp_path / "serve.out"
+    with open(output, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", str(real_quantized_dirs["gptq"]),
+                                 "--port", str(port), "--threads", "1"], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            wait_ready(f"http://127.0.0.1:{port}")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    text = output.read_text()
+    named = re.search(r"\(details: (\S+gptqmodel\.log)\)", text)
+    assert named, text
+    library_lines = Path(named.group(1)).read_text()
+    assert "GPT-QModel" in library_lines and "Kernel" in library_lines  # the library did print them ...
+    assert "GPT-QModel" not in text and "Kernel:" not in text, text  # ... but not where the operator reads
+    assert "served from 4-bit codes" in text  # our own load report stays
