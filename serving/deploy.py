@@ -154,6 +154,35 @@ def _serve_standalone(args: argparse.Namespace, bundle: Path, name: str, registr
     return 0
 
 
+# serve flags the fleet sets itself on every replica: the rest of what `deploy snapshot` was given goes on to
+# the snapshot's replica (see replica_serve_flags)
+_FLEET_OWNED = frozenset({"model", "host", "port", "served_model_name", "kv_memory", "threads", "log_level"})
+_PATH_VALUED = frozenset({"speculative_model"})
+
+
+def replica_serve_flags(args: argparse.Namespace) -> list[str]:
+    """The `lifecycle serve` flags of this command that differ from serve's defaults, as the replica's command
+    line: `deploy snapshot B --speculative-tokens 4 --speculative-model D` serves B's replica with speculation.
+    Paths become absolute (a replica does not start in this directory)."""
+    reference = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(reference)
+    flags: list[str] = []
+    for action in reference._actions:
+        if not action.option_strings or action.dest in _FLEET_OWNED:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true
+            flags.append(action.option_strings[0])
+        else:
+            text = str(Path(value).resolve()) if action.dest in _PATH_VALUED else str(value)
+            flags += [action.option_strings[0], text]
+    return flags
+
+
 def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version: str, tracking_uri: str) -> int:
     from serving.rollout.fleet import LocalFleet
     from serving.rollout.registry_console import RegistryConsole
@@ -162,16 +191,19 @@ def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version
     fleet = LocalFleet(_fleet_dir(args), model_name, tracking_uri, gateway_port=args.gateway_port,
                        threads=args.threads, kv_memory=args.kv_memory)
     _refuse_if_rolling(fleet)
+    flags = replica_serve_flags(args)
+    if flags:
+        print(f"v{version}'s replica serves with: {' '.join(flags)}", flush=True)
     console = RegistryConsole(model_name, tracking_uri)
     champion = console.alias_version("champion")
     if champion == version:
-        replica = fleet.start_replica(bundle, version)
+        replica = fleet.start_replica(bundle, version, serve_flags=flags)
         url = _ensure_routed_champion(fleet, replica)
         print(f"version {version} is already champion; serving it at {url}/v1 (model {model_name!r})")
         return 0
     if champion is None or args.role == "champion":
-        return _install(fleet, bundle, model_name, version, champion, tracking_uri)
-    return _start_rollout(args, fleet, bundle, model_name, version, champion, tracking_uri)
+        return _install(fleet, bundle, model_name, version, champion, tracking_uri, flags)
+    return _start_rollout(args, fleet, bundle, model_name, version, champion, tracking_uri, flags)
 
 
 def _refuse_if_rolling(fleet) -> None:
@@ -188,10 +220,11 @@ def _ensure_routed_champion(fleet, replica) -> str:
     return fleet.ensure_gateway(champion=replica)
 
 
-def _install(fleet, bundle: Path, model_name: str, version: str, champion: str | None, tracking_uri: str) -> int:
+def _install(fleet, bundle: Path, model_name: str, version: str, champion: str | None, tracking_uri: str,
+             flags: list[str]) -> int:
     from serving.rollout.install import install_champion
 
-    replica = fleet.start_replica(bundle, version)
+    replica = fleet.start_replica(bundle, version, serve_flags=flags)
     url = fleet.ensure_gateway(champion=replica if champion is None else None)
     cause = ("first champion: no champion before, so no canary to compare with" if champion is None
              else f"deployed with --as champion over v{champion} (no rollout)")
@@ -211,7 +244,7 @@ def _install(fleet, bundle: Path, model_name: str, version: str, champion: str |
 
 
 def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: str, version: str, champion: str,
-                   tracking_uri: str) -> int:
+                   tracking_uri: str, flags: list[str]) -> int:
     from artifacts.registry import resolve_bundle
     from serving.rollout.controller import Controller
     from serving.rollout.state import RolloutSpec
@@ -222,7 +255,7 @@ def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: st
                                          tracking_uri=tracking_uri)
         champion_replica = fleet.start_replica(champion_bundle, champion)
     url = _ensure_routed_champion(fleet, champion_replica)
-    candidate = fleet.start_replica(bundle, version)
+    candidate = fleet.start_replica(bundle, version, serve_flags=flags)
     plan = _load_plan(args.plan)
     if args.probes:
         plan.probes = replace(plan.probes, data_dir=str(Path(args.probes).resolve()))

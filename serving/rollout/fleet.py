@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class ReplicaRecord:
     pid: int
     log: str
     served_model: str
+    serve_flags: list[str] = field(default_factory=list)  # `lifecycle serve` flags beyond the fleet's own
 
 
 @dataclass
@@ -230,8 +232,12 @@ class LocalFleet:
                 return replica
         return None
 
-    def start_replica(self, bundle: str | Path, version: str, timeout: float = 600) -> ReplicaRecord:
-        """Serve a verified bundle on a free port (reusing a live replica of the same version)."""
+    def start_replica(self, bundle: str | Path, version: str, timeout: float = 600,
+                      serve_flags: Sequence[str] = ()) -> ReplicaRecord:
+        """Serve a verified bundle on a free port (reusing a live replica of the same version).
+
+        ``serve_flags``: more `lifecycle serve` flags for this replica (speculative decoding, step budget...);
+        the fleet sets the port, name, KV memory, threads and log level itself."""
         existing = self.replica(version)
         if existing is not None:
             return existing
@@ -241,9 +247,10 @@ class LocalFleet:
                 "--served-model-name", served, "--kv-memory", self.kv_memory, "--log-level", "warning"]
         if self.threads:
             args += ["--threads", str(self.threads)]
+        args += serve_flags
         pid, log = self._spawn(args, f"replica-v{version}-{port}.log")
         url = f"http://127.0.0.1:{port}"
-        record = ReplicaRecord(str(version), str(bundle), url, pid, str(log), served)
+        record = ReplicaRecord(str(version), str(bundle), url, pid, str(log), served, list(serve_flags))
         self.record.replicas = [r for r in self.record.replicas if pid_alive(r.pid)] + [record]
         self.save()
         try:

@@ -108,3 +108,16 @@ def test_deploy_serves_the_registered_snapshot_and_tags_it(registered, tmp_path:
         except subprocess.TimeoutExpired:
             server.kill()
     assert server.returncode == 0
+
+
+def test_serve_flags_beyond_the_fleets_own_go_on_to_the_snapshots_replica(tmp_path: Path) -> None:
+    from serving.deploy import build_parser, replica_serve_flags
+
+    parser = build_parser()
+    owned = ["--threads", "1", "--kv-memory", "16MiB", "--port", "9", "--log-level", "debug"]
+    assert replica_serve_flags(parser.parse_args(["snapshot", "B", *owned])) == []
+    args = parser.parse_args(["snapshot", "B", *owned, "--speculative-tokens", "4", "--speculative-model", "draft",
+                              "--max-num-batched-tokens", "1024", "--no-prefix-caching", "--no-engine-process"])
+    assert replica_serve_flags(args) == [
+        "--max-num-batched-tokens", "1024", "--no-prefix-caching", "--speculative-tokens", "4",
+        "--speculative-model", str(Path("draft").resolve()), "--no-engine-process"]

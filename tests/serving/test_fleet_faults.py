@@ -78,8 +78,9 @@ def test_deploy_cli_first_champion_then_a_rollout_run_by_prefect(tmp_path, tiny_
 
         traffic = _traffic(fleet_dir).start()
         try:
+            # a serve flag the fleet does not set itself goes on to the candidate's replica
             rollout = deploy("snapshot", f"models:/{MODEL}/2", *common, "--threads", "1", "--kv-memory", "16MiB",
-                             "--plan", str(_plan_file(tmp_path)), "--wait", home=home)
+                             "--speculative-tokens", "4", "--plan", str(_plan_file(tmp_path)), "--wait", home=home)
         finally:
             stats = traffic.stop()
         assert rollout.returncode == 0, rollout.stdout[-3000:] + rollout.stderr[-3000:]
@@ -95,7 +96,11 @@ def test_deploy_cli_first_champion_then_a_rollout_run_by_prefect(tmp_path, tiny_
             if [r["version"] for r in record["replicas"]] == ["2"]:
                 break
             time.sleep(0.5)
-        assert [r["version"] for r in _fleet_record(fleet_dir)["replicas"]] == ["2"]
+        (replica,) = _fleet_record(fleet_dir)["replicas"]
+        assert replica["version"] == "2" and replica["serve_flags"] == ["--speculative-tokens", "4"]
+        assert "v2's replica serves with: --speculative-tokens 4" in rollout.stdout
+        command = Path(f"/proc/{replica['pid']}/cmdline").read_bytes().split(b"\0")
+        assert command[command.index(b"--speculative-tokens") + 1] == b"4"
         log = next((fleet_dir / "logs").glob("controller-*.log")).read_text()
         assert "rollout" in log and "promoted" in log
         shown = deploy("status", *common, home=home)
