@@ -11,8 +11,10 @@ sequence. For every layer this function
    grouping query heads per KV head for GQA. One padded call over all decodes would pad every sequence
    to the longest (about a third padding at the benchmark's mix of lengths) and was measured slower than
    the groups (``benchmarks/RESULTS.md``, Run 5 and run 7);
-3. runs each prefill chunk with SDPA: causal over its own K/V when nothing is cached before it,
-   else over its gathered context with an offset-causal mask.
+3. runs the prefill chunks (and speculative verify chunks): with ``cpu_kernels.paged_prefill`` (C++, fp32 CPU,
+   block size 16) in one call that reads every chunk's context straight from its blocks, causally; otherwise
+   each chunk with SDPA, causal over its own K/V when nothing is cached before it, else over its gathered
+   context with an offset-causal mask.
 All index tensors are built once per step (``AttentionMetadata``) and shared by every layer.
 """
 
@@ -84,6 +86,12 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None
     decode_kernel: Callable[..., None] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # kernel path (instead of prefills): every chunk in one call, its rows after the decodes, straight from the
+    # cache: [P, max_blocks] block ids, [P + 1] row offsets from the first prefill row, [P] first positions
+    prefill_kernel: Callable[..., None] | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_row_starts: torch.Tensor | None = None
+    prefill_first_pos: torch.Tensor | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata,
@@ -111,6 +119,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scaling)
         out.index_copy_(0, g.rows, od.reshape(nd, num_heads, head_dim))
 
+    if meta.prefill_kernel is not None:
+        nd = meta.num_decode
+        meta.prefill_kernel(q[nd:].contiguous(), kc, vc, meta.prefill_block_tables, meta.prefill_row_starts,
+                            meta.prefill_first_pos, head_dim ** -0.5 if scaling is None else scaling, out[nd:])
     gqa = group > 1
     for p in meta.prefills:
         qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

@@ -73,6 +73,9 @@ class ModelRunner:
         # decode attention straight from the blocks (C++, fp32 CPU) when it builds; else bucketed SDPA
         kernels = cpu_kernels.load() if cpu_kernels.supported(self.k_caches[0]) else None
         self.decode_kernel = kernels.paged_decode if kernels is not None else None
+        # prefill and verify chunks likewise (block size 16, the common head sizes); else SDPA per chunk
+        self.prefill_kernel = kernels.paged_prefill if kernels is not None and self.block_size == 16 \
+            and self.head_dim in cpu_kernels.PREFILL_HEAD_DIMS else None
 
     # ----------------------------------------------------------------- loading
     def _resolve_dtype(self, model_dir: str | Path) -> torch.dtype:
@@ -182,6 +185,18 @@ class ModelRunner:
             meta.decode_groups.append(DecodeGroup(torch.tensor(rows, dtype=torch.long, device=dev),
                                                   torch.tensor(tab, dtype=torch.long).flatten().to(dev),
                                                   mask.to(dev)))
+        if self.prefill_kernel is not None and prefill_specs:
+            nblk = max(-(-(start + row1 - row0) // bs) for row0, row1, start, _ in prefill_specs)
+            meta.prefill_kernel = self.prefill_kernel
+            meta.prefill_block_tables = torch.tensor(
+                [table[:nblk] + [0] * (nblk - min(len(table), nblk)) for _, _, _, table in prefill_specs],
+                dtype=torch.long, device=dev)
+            meta.prefill_row_starts = torch.tensor([row0 - num_decode for row0, _, _, _ in prefill_specs]
+                                                   + [prefill_specs[-1][1] - num_decode], dtype=torch.long,
+                                                   device=dev)
+            meta.prefill_first_pos = torch.tensor([start for _, _, start, _ in prefill_specs], dtype=torch.long,
+                                                  device=dev)
+            prefill_specs = []  # the kernel takes them all in one call per layer
         for row0, row1, start, table in prefill_specs:
             if start == 0:
                 meta.prefills.append(PrefillChunk(row0, row1))

@@ -116,8 +116,11 @@ def gqa4_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("gqa4") / "model", hidden=128, heads=8, kv_heads=2)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
-def test_engine_greedy_matches_hf_on_both_paths(gqa4_model_dir, use_kernel, monkeypatch):
+@pytest.mark.parametrize("use_kernel,block_size,spec", [(True, 4, 0), (True, 16, 0), (True, 16, 4), (False, 16, 0)],
+                         ids=["kernels-block4", "kernels-block16", "kernels-block16-speculative", "torch"])
+def test_engine_greedy_matches_hf_on_both_paths(gqa4_model_dir, use_kernel, block_size, spec, monkeypatch):
+    """Chunked prefill (a 32-token budget against prompts of up to 70) continues chunks from the cache; with
+    block size 16 those chunks, and the speculative verify chunks, take the prefill kernel."""
     from transformers import AutoModelForCausalLM
 
     if use_kernel and kernel is None:
@@ -127,15 +130,62 @@ def test_engine_greedy_matches_hf_on_both_paths(gqa4_model_dir, use_kernel, monk
     hf = AutoModelForCausalLM.from_pretrained(gqa4_model_dir, dtype=torch.float32).eval()
     rng = random.Random(1)
     prompts = [[rng.randrange(7, 400) for _ in range(rng.randint(2, 70))] for _ in range(8)]
-    engine = LLMEngine.from_pretrained(gqa4_model_dir, EngineConfig(num_blocks=128, block_size=4,
-                                                                    max_num_batched_tokens=32))
+    prompts[0] = [11, 12, 13, 14] * 12  # repeats itself: the n-gram lookup has guesses to verify
+    engine = LLMEngine.from_pretrained(gqa4_model_dir, EngineConfig(num_blocks=128, block_size=block_size,
+                                                                    max_num_batched_tokens=32,
+                                                                    speculative_tokens=spec))
     assert (engine.runner.decode_kernel is not None) == use_kernel
     assert (engine.runner.compact.kernels is not None) == use_kernel
+    assert (engine.runner.prefill_kernel is not None) == (use_kernel and block_size == 16)
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             g = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
             assert o.token_ids == g[0, len(p):].tolist()
+    if spec:
+        assert engine.speculation.drafted > 0
+
+
+def _prefill_reference(q, kc, vc, tables, rows, starts, scale):
+    """Each chunk with SDPA over its whole context, gathered from the cache, with an offset-causal mask."""
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = kc.shape[2]
+    out = torch.empty_like(q)
+    for p, start in enumerate(starts):
+        r0, r1 = rows[p], rows[p + 1]
+        ctx = start + r1 - r0
+        k = kc[tables[p]].reshape(-1, kv_heads, d)[:ctx].transpose(0, 1)[None]
+        v = vc[tables[p]].reshape(-1, kv_heads, d)[:ctx].transpose(0, 1)[None]
+        mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(q[r0:r1].transpose(0, 1)[None], k, v, attn_mask=mask,
+                                                             scale=scale, enable_gqa=heads != kv_heads)
+        out[r0:r1] = o[0].transpose(0, 1)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 2, 16), (8, 2, 32), (8, 8, 128), (8, 1, 64), (6, 2, 32)])
+def test_prefill_kernel_matches_sdpa_over_the_gathered_context(heads, kv_heads, d):
+    """Fresh chunks and chunks continuing a cached context (starts off the block grid), tiles of 16 rows with
+    remainders, one to eight query heads per KV head, blocks scattered through the cache."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    specs = [(0, 1), (0, 37), (21, 5), (100, 70), (0, 16), (33, 1), (7, 130)]  # (cached tokens, chunk rows)
+    free = list(range(1, 200))
+    rng.shuffle(free)
+    tables, rows = [], [0]
+    for start, n in specs:
+        tables.append([free.pop() for _ in range(-(-(start + n) // 16))])
+        rows.append(rows[-1] + n)
+    kc, vc = torch.randn(200, 16, kv_heads, d), torch.randn(200, 16, kv_heads, d)
+    q = torch.randn(rows[-1], heads, d)
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    out = torch.full_like(q, float("nan"))
+    starts = [start for start, _ in specs]
+    kernels.paged_prefill(q, kc, vc, padded, torch.tensor(rows), torch.tensor(starts), d ** -0.5, out)
+    torch.testing.assert_close(out, _prefill_reference(q, kc, vc, tables, rows, starts, d ** -0.5),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_load_respects_the_switch(monkeypatch):
