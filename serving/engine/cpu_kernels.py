@@ -11,6 +11,13 @@ hosts and AVX2 + FMA intrinsics on hosts without it (eight dot products reduced 
 enough live registers that nothing spills: 2-2.8x the 16-lane path there); others a plain loop. Contiguous caches
 ``[num_blocks, block_size, kv_heads, head_dim]``.
 
+``paged_prefill``: the same for prefill chunks and speculative verify chunks, all of a step's in one call: each
+row attends causally to its sequence's cached keys up to its own position, read from the blocks (no gathered
+copy, no mask tensor). Per (chunk, KV head, 16 rows) work item the keys are transposed once per block to
+[head_dim][16], so a query's 16 scores per block are head_dim multiply-adds with no horizontal sums; an online
+softmax keeps each query's accumulators, running max and sum in registers over the blocks (flash attention's
+scheme). Items are dealt to the threads round-robin by cost. Block size 16, head_dim 16/32/64/128; else SDPA.
+
 ``add_rms_norm``: ``h += delta`` (the residual add, in place) and ``out = rms_norm(h) * weight`` in one pass.
 ``F.rms_norm`` on CPU runs as several ops. ``silu_mul``: the gated MLP's ``silu(gate) * up`` from the fused
 gate/up projection in one pass (chunk, silu and mul were three ops and two temporaries per layer).
@@ -720,7 +727,8 @@ def build(name: str, source: str, functions: list[str]) -> ModuleType | None:
 
 def load() -> ModuleType | None:
     """The compiled module, or None: ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-    out)``, ``add_rms_norm(h, delta_or_None, weight, eps, out)``, ``rope(qkv, positions, cos, sin, nq, nk,
+    out)``, ``paged_prefill(q, k_cache, v_cache, block_tables, row_starts, first_pos, scale, out)``,
+    ``add_rms_norm(h, delta_or_None, weight, eps, out)``, ``rope(qkv, positions, cos, sin, nq, nk,
     q_out, k_out)`` and ``silu_mul(gu, out)``."""
     global _kernels, _tried
     if not _tried:
