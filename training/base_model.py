@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from artifacts.common.atomic import staged_directory
 from artifacts.common.device import pick_device
@@ -33,6 +32,7 @@ from training.tokenizer import (
     end_token_ids,
     train_tokenizer,
 )
+from training.window_training import WindowSchedule, train_on_windows
 
 RECIPE_VERSION = 3  # bump when the corpus or training code changes what a recipe produces
 PRETRAIN_LOG = "pretrain_log.json"
@@ -258,55 +258,17 @@ def save_hf_tokenizer(tokenizer, out_dir: Path) -> None:
 
 def _pretrain(model, stream: torch.Tensor, config: BaseModelConfig, device: torch.device,
               on_log: Callable[[int, Any], None] | None = None) -> dict:
-    """Plain-torch next-token training on random windows of the packed token stream.
+    """Next-token training on random windows of the packed token stream (``training.window_training``).
 
     ``on_log(step, model)`` runs at every log point (recipe tuning scripts probe accuracy there).
     """
-    model.train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr, betas=(0.9, 0.95))
-    generator = torch.Generator().manual_seed(config.seed)
-    offsets = torch.arange(config.seq_len)
-    log_every = max(1, config.steps // 100)
-    steps, losses, lrs = [], [], []
-    running, count, tokens = 0.0, 0, 0
-    start = time.perf_counter()
-    use_bf16 = device.type == "cuda"
-    bar = tqdm(range(config.steps), desc=f"pretrain {config.preset}", unit="step", mininterval=2.0)
-    for step in bar:
-        lr = _lr_at(step, config)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        starts = torch.randint(0, len(stream) - config.seq_len, (config.batch_size,), generator=generator)
-        batch = stream[starts[:, None] + offsets].to(device)
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        running += loss.item()
-        count += 1
-        tokens += batch.numel()
-        if (step + 1) % log_every == 0 or step + 1 == config.steps:
-            steps.append(step + 1)
-            losses.append(running / count)
-            lrs.append(lr)
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{running / count:.3f}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
-            running, count = 0.0, 0
-            if on_log is not None:
-                on_log(step + 1, model)
-                model.train()
-    bar.close()
-    model.eval()
-    seconds = time.perf_counter() - start
-    return {"step": steps, "loss": losses, "lr": lrs, "train_seconds": seconds, "tokens": tokens,
-            "tokens_per_second": tokens / seconds if seconds else 0.0, "threads": torch.get_num_threads(),
-            "device": str(device), "config": asdict(config)}
+    schedule = WindowSchedule(steps=config.steps, batch_size=config.batch_size, seq_len=config.seq_len,
+                              lr=config.lr, weight_decay=config.weight_decay, seed=config.seed, log_points=100,
+                              label=f"pretrain {config.preset}")
+    log = train_on_windows(model, stream, schedule, lambda batch: model(input_ids=batch, labels=batch).loss,
+                           lambda step: _lr_at(step, config), device, on_log)
+    log["train_seconds"] = log.pop("seconds")
+    return log | {"threads": torch.get_num_threads(), "device": str(device), "config": asdict(config)}
 
 
 # --- resolving a user's choice ----------------------------------------------------------------------------

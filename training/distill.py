@@ -10,15 +10,14 @@ logits as targets: random windows of the stream, AdamW, linear warm-up then cosi
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from training.base_model import warmup_cosine_lr
+from training.window_training import WindowSchedule, train_on_windows
 
 if TYPE_CHECKING:
     from training.draft_config import DraftConfig
@@ -70,48 +69,18 @@ def distill(teacher: Any, student: Any, stream: torch.Tensor, config: DraftConfi
 
     Returns the loss curve (``step``, ``loss``, ``lr``: running means between log points) and the timing."""
     teacher.eval()
-    student.train()
-    decay = [p for p in student.parameters() if p.dim() >= 2]
-    no_decay = [p for p in student.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr, betas=(0.9, 0.95))
     warmup = round(config.warmup_ratio * config.steps)
-    generator = torch.Generator().manual_seed(config.seed)
-    offsets = torch.arange(config.seq_len)
-    log_every = max(1, config.steps // 50)
-    steps, losses, lrs = [], [], []
-    running, count, tokens = 0.0, 0, 0
-    use_bf16 = device.type == "cuda"
-    start = time.perf_counter()
-    bar = tqdm(range(config.steps), desc=f"distill {config.layers}-layer draft", unit="step", mininterval=2.0)
-    for step in bar:
-        lr = warmup_cosine_lr(step, lr=config.lr, steps=config.steps, warmup_steps=warmup,
-                              min_lr_ratio=config.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        starts = torch.randint(0, len(stream) - config.seq_len + 1, (config.batch_size,), generator=generator)
-        batch = stream[starts[:, None] + offsets].to(device)
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            with torch.no_grad():
-                target = teacher(input_ids=batch, use_cache=False).logits
-            loss = distillation_loss(student(input_ids=batch, use_cache=False).logits, target, config.temperature)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        running += loss.item()
-        count += 1
-        tokens += batch.numel()
-        if (step + 1) % log_every == 0 or step + 1 == config.steps:
-            steps.append(step + 1)
-            losses.append(running / count)
-            lrs.append(lr)
-            bar.set_postfix(kl=f"{running / count:.3f}", tok_s=f"{tokens / (time.perf_counter() - start):,.0f}",
-                            refresh=False)
-            running, count = 0.0, 0
-    bar.close()
-    student.eval()
-    seconds = time.perf_counter() - start
-    return {"step": steps, "loss": losses, "lr": lrs, "seconds": seconds, "tokens": tokens,
-            "tokens_per_second": tokens / seconds if seconds else 0.0}
+    schedule = WindowSchedule(steps=config.steps, batch_size=config.batch_size, seq_len=config.seq_len,
+                              lr=config.lr, weight_decay=config.weight_decay, seed=config.seed, log_points=50,
+                              label=f"distill {config.layers}-layer draft", loss_name="kl")
+
+    def kl_to_teacher(batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = teacher(input_ids=batch, use_cache=False).logits
+        return distillation_loss(student(input_ids=batch, use_cache=False).logits, target, config.temperature)
+
+    def lr_at(step: int) -> float:
+        return warmup_cosine_lr(step, lr=config.lr, steps=config.steps, warmup_steps=warmup,
+                                min_lr_ratio=config.min_lr_ratio)
+
+    return train_on_windows(student, stream, schedule, kl_to_teacher, lr_at, device)
