@@ -30,6 +30,17 @@ def quiet_warnings() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _repoint_handlers(old: object, new: object) -> None:
+    """Logging handlers a library set up while ``old`` stood in for stderr write to ``new`` from now on
+    (``old`` is about to be closed; a record logged through them would print "--- Logging error ---")."""
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    for lg in loggers:
+        for handler in lg.handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+                handler.setStream(new)
+
+
 @contextlib.contextmanager
 def output_to_log(log_path: str | Path, label: str) -> Iterator[None]:
     """Redirect fd 1 and 2 to ``log_path`` for the block; show ``label`` and elapsed time on the terminal."""
@@ -66,6 +77,7 @@ def output_to_log(log_path: str | Path, label: str) -> Iterator[None]:
             if ticker is not None:
                 ticker.join(timeout=2)
             sys.stdout, sys.stderr = python_streams
+            _repoint_handlers(text_log, python_streams[1])
             os.dup2(saved_out, 1)
             os.dup2(saved_err, 2)
             os.close(saved_out)

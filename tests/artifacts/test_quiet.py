@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -21,3 +22,18 @@ def test_python_and_c_level_output_goes_to_the_log_and_the_terminal_comes_back(t
     assert "banner" not in out and "table" not in err and "C code" not in out
     assert out == "after\n"
     assert "noisy library" in err and str(log) in err  # the one line the user sees
+
+
+def test_a_log_handler_a_library_sets_up_meanwhile_writes_to_stderr_afterwards(tmp_path, capfd):
+    """gptqmodel's imports give the `datasets` logger a stream handler on whatever stderr is then: the
+    temporary log, closed after the block. Records through it must still print, not "Logging error"."""
+    lib = logging.getLogger("a_noisy_library_under_test")
+    with output_to_log(tmp_path / "lib.log", "noisy library"):
+        handler = logging.StreamHandler()  # bound to sys.stderr as it is now
+        lib.addHandler(handler)
+    try:
+        lib.warning("said after loading")
+        _, err = capfd.readouterr()
+        assert "said after loading" in err and "Logging error" not in err
+    finally:
+        lib.removeHandler(handler)
