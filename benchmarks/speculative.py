@@ -1,19 +1,21 @@
 """Speculative decoding through HTTP: batch-1 tokens/s with and without ``--speculative-tokens``.
 
-Users meet speculation where they meet the server, so this measures it there: two ``lifecycle serve``
+Users meet speculation where they meet the server, so this measures it there: ``lifecycle serve``
 processes on the same model with the same thread budget, one plain and one with n-gram speculation (or,
-with ``--draft-model DIR``, speculation by that draft model: ``--speculative-model DIR``),
-driven alternately by one streaming client at concurrency 1 (where speculation pays: a lone decode step
-reads every weight for one token). Two workloads, greedy, ``ignore_eos``:
+with ``--draft-model DIR``, three: two with that draft model, ``--speculative-model DIR`` as served by
+default (the n-gram lookup's guesses where the context repeats and they promise more than the draft's) and
+with ``--no-speculative-lookup`` (the draft's guesses alone), and one with n-gram lookup alone), driven in turns by one streaming client at concurrency 1 (where speculation pays: a
+lone decode step reads every weight for one token). Two workloads, greedy, ``ignore_eos``:
 
 - **repeats its context**: a prompt P, the model's own greedy continuation C of P, then P again
   (``P C P``), as when a user asks to rewrite or quote a text: the reply after the second P largely
   re-reads what followed the first one;
 - **fresh**: P alone, where there is little to look up (speculation must not cost anything there).
 
-For each request the replies of the two servers are compared (they must be identical: greedy output token
-for token), and tokens/s is completion tokens over the time from sending to the last streamed token. The
-table gives medians over the prompts, the ratio speculative/plain, and the acceptance rate from /metrics.
+For each request every speculative server's reply is compared with the plain one's (they must be identical:
+greedy output token for token), and tokens/s is completion tokens over the time from sending to the last
+streamed token. The table gives medians over the prompts, the ratio speculative/plain, and the acceptance
+rate from /metrics.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/speculative.py --model .lifecycle/models/base/ID
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/speculative.py --model BIG --draft-model SMALL
@@ -92,13 +94,12 @@ def scrape_acceptance(url: str) -> tuple[float, float]:
 
 
 def start_server(name: str, model: Path, threads: int, speculative_tokens: int, logs: Path,
-                 draft_model: Path | None = None) -> tuple[Child, str]:
+                 flags: list[str] | None = None) -> tuple[Child, str]:
     port = free_port()
     env = dict(os.environ)
-    draft = ["--speculative-model", str(draft_model)] if draft_model else []
     child = Child(name, [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
                          "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
-                         "--speculative-tokens", str(speculative_tokens), *draft], logs / f"{name}.log", env)
+                         "--speculative-tokens", str(speculative_tokens), *(flags or [])], logs / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
     wait_ready(child, url, timeout_s=300)
     return child, url
@@ -110,43 +111,56 @@ def default_model() -> Path:
     return build_base_model(BaseModelConfig(preset="micro"))
 
 
-def bench(args: argparse.Namespace, plain: str, spec: str) -> dict:
+def bench(args: argparse.Namespace, plain: str, specs: dict[str, str]) -> dict:
+    """Per workload and speculative server: medians of tok/s against the plain server, prompt by prompt."""
     prompts = SEEDS[:args.prompts]
-    for url in (plain, spec):  # warm-up: kernels, allocator
+    for url in (plain, *specs.values()):  # warm-up: kernels, allocator
         stream_completion(url, "warm up", 8)
     workloads: dict[str, list[str]] = {"fresh": prompts}
     workloads["repeats its context"] = [p + stream_completion(plain, p, args.max_tokens).text + "\n" + p
                                         for p in prompts]
     results: dict[str, dict] = {}
     for name, texts in workloads.items():
-        before = scrape_acceptance(spec)
-        rates: dict[str, list[float]] = {"plain": [], "speculative": []}
-        identical = 0
+        before = {label: scrape_acceptance(url) for label, url in specs.items()}
+        rates: dict[str, list[float]] = {label: [] for label in ("plain", *specs)}
+        identical = dict.fromkeys(specs, 0)
         for i, text in enumerate(texts):
-            order = [("plain", plain), ("speculative", spec)]
+            order = [("plain", plain), *specs.items()]
+            order = order[i % len(order):] + order[:i % len(order)]  # rotate who goes first
             replies = {}
-            for label, url in order if i % 2 == 0 else order[::-1]:  # alternate who goes first
+            for label, url in order:
                 replies[label] = stream_completion(url, text, args.max_tokens)
                 rates[label].append(replies[label].tokens_per_s)
-            identical += replies["plain"].text == replies["speculative"].text
-        drafted, accepted = (a - b for a, b in zip(scrape_acceptance(spec), before))
-        results[name] = {"plain_tok_s": statistics.median(rates["plain"]),
-                         "spec_tok_s": statistics.median(rates["speculative"]),
-                         "ratio": statistics.median(s / p for s, p in zip(rates["speculative"], rates["plain"])),
-                         "acceptance": accepted / drafted if drafted else 0.0,
-                         "identical": f"{identical}/{len(texts)}"}
+            for label in specs:
+                identical[label] += replies["plain"].text == replies[label].text
+        for label, url in specs.items():
+            drafted, accepted = (a - b for a, b in zip(scrape_acceptance(url), before[label]))
+            results.setdefault(name, {})[label] = {
+                "plain_tok_s": statistics.median(rates["plain"]), "spec_tok_s": statistics.median(rates[label]),
+                "ratio": statistics.median(s / p for s, p in zip(rates[label], rates["plain"])),
+                "acceptance": accepted / drafted if drafted else 0.0, "identical": f"{identical[label]}/{len(texts)}"}
     return results
 
 
+def speculative_servers(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Label -> serve flags of each speculative server (beside the plain one)."""
+    if args.draft_model is None:
+        return {"n-gram lookup": []}
+    draft = ["--speculative-model", str(args.draft_model)]
+    return {"draft + lookup (default)": draft, "draft alone": [*draft, "--no-speculative-lookup"],
+            "n-gram lookup alone": []}
+
+
 def report(args: argparse.Namespace, model: Path, results: dict) -> str:
-    draft = f" --speculative-model `{args.draft_model}`" if args.draft_model else " (n-gram)"
+    draft = f" --speculative-model `{args.draft_model}`" if args.draft_model else ""
     lines = [f"model `{model}`, {args.threads} thread(s), --speculative-tokens {args.tokens}{draft}, "
              f"{args.prompts} prompts x {args.max_tokens} tokens, batch 1; {machine_facts()}", "",
-             "| workload | plain tok/s | speculative tok/s | × plain | acceptance | identical replies |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['ratio']:.2f} | "
-                     f"{r['acceptance']:.2f} | {r['identical']} |")
+             "| workload | guesses from | plain tok/s | speculative tok/s | × plain | acceptance | identical replies |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, by_server in results.items():
+        for label, r in by_server.items():
+            lines.append(f"| {name} | {label} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['ratio']:.2f} | "
+                         f"{r['acceptance']:.2f} | {r['identical']} |")
     return "\n".join(lines)
 
 
@@ -172,10 +186,12 @@ def main() -> int:
             try:
                 plain, plain_url = start_server("plain", model, args.threads, 0, Path(tmp))
                 children.append(plain)
-                spec, spec_url = start_server("speculative", model, args.threads, args.tokens, Path(tmp),
-                                              args.draft_model)
-                children.append(spec)
-                results = bench(args, plain_url, spec_url)
+                spec_urls = {}
+                for i, (label, flags) in enumerate(speculative_servers(args).items()):
+                    spec, spec_urls[label] = start_server(f"speculative-{i}", model, args.threads, args.tokens,
+                                                          Path(tmp), flags)
+                    children.append(spec)
+                results = bench(args, plain_url, spec_urls)
             finally:
                 for child in children:
                     child.terminate()

@@ -71,6 +71,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-model", metavar="DIR", default=d.speculative_model,
                    help="a smaller HF model directory with the same tokenizer that guesses the tokens instead of "
                         "the n-gram lookup (needs --speculative-tokens K)")
+    p.add_argument("--speculative-lookup", action=argparse.BooleanOptionalAction, default=d.speculative_lookup,
+                   help="with --speculative-model: take the n-gram lookup's guesses where the context repeats and "
+                        "the draft's elsewhere (default: on; --no-speculative-lookup asks the draft every step)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets in-flight requests run; then they are ended and the process exits "
                         "(default: %(default)s)")
@@ -95,7 +98,8 @@ def engine_config_from_args(args: argparse.Namespace):
                             device=args.device, threads=args.threads,
                             model_impl=args.model_impl, dequantize=args.dequantize,
                             speculative_tokens=args.speculative_tokens,
-                            speculative_model=args.speculative_model)
+                            speculative_model=args.speculative_model,
+                            speculative_lookup=args.speculative_lookup)
     except ValueError as e:
         raise ServeError(f"serve: {e}") from e
 

@@ -42,6 +42,8 @@ class EngineConfig:
     speculative_ngram: int = 4  # longest context suffix looked up (down to 2 tokens)
     # a draft model (a local HF dir with the target's vocabulary) that guesses instead of the n-gram lookup
     speculative_model: Optional[str] = None
+    # with a draft model: the n-gram lookup's guesses first where the context repeats, the draft's elsewhere
+    speculative_lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -18,7 +18,15 @@ Each engine step, for every greedy decode at once:
 2. catch-up: one batched pass over each sequence's tokens the draft has not computed (the whole prompt the
    first time, chunked to ``max_num_batched_tokens``; a few tokens afterwards); a sequence's last row gives
    its first guess (argmax);
-3. ``k - 1`` batched one-token passes, each feeding the previous guess, give the others.
+3. up to ``k - 1`` batched one-token passes, each feeding the previous guess, give the others.
+
+Each guess costs a draft pass, so a request is asked for as many guesses as it has lately been keeping
+(``speculative.next_lookahead``), and never for more than are worth their passes (``speculative.GuessBudget``:
+the draft's measured pass time against the target's step time, and the share of guesses kept). Where not
+even one is worth it (a draft about as slow as a 4-bit target, on text it guesses badly), the request gets no
+guesses, except one now and then (after ``PROBE_EVERY`` steps, then twice as many after each such probe) to
+keep its record current; a draft whose pass costs more than a target step waits the longest between probes,
+since no share of guesses kept would pay for it.
 
 The draft never fails the target: a sequence whose draft cannot get blocks, or whose pass raises (alone, once
 the batch is retried piecewise), gets no guess this step. A request's draft blocks go back when it leaves the
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,10 +49,16 @@ from serving.engine.model_runner import ModelRunner
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq
 from serving.engine.sequence import Sequence
+from serving.engine.speculative import GuessBudget, checked_guesses, expected_yield, next_lookahead
 
-__all__ = ["DraftModelProposer", "draft_cache_blocks"]
+__all__ = ["MAX_PROBE_EVERY", "PROBE_EVERY", "DraftModelProposer", "draft_cache_blocks"]
 
 log = logging.getLogger(__name__)
+
+# a request with no guess worth a pass still gets one guess after this many steps, to re-measure; the wait
+# doubles after each such probe (up to MAX_PROBE_EVERY) and starts over once guesses pay again
+PROBE_EVERY = 8
+MAX_PROBE_EVERY = 128
 
 
 def draft_cache_blocks(config: EngineConfig, target_blocks: int) -> int:
@@ -55,12 +70,15 @@ def draft_cache_blocks(config: EngineConfig, target_blocks: int) -> int:
 class _Draft:
     seq: Sequence  # the draft's view of one request: tokens seen, draft block table, draft computed tokens
     synced: int = 0  # leading tokens known to equal the target's real tokens (guesses start after them)
+    lookahead: int = 0  # guesses to ask for next step (next_lookahead); 0 = k
+    kept: float = 0.0  # decayed guesses kept, and checked (GuessBudget): this request's acceptance
+    checked: float = 0.0
+    skipped: int = 0  # steps in a row without a guess because none was worth a pass
+    probe_every: int = PROBE_EVERY  # skipped steps before the next one-guess probe
 
 
 class DraftModelProposer:
     """Greedy guesses from a draft model with its own KV cache; see the module docstring."""
-
-    adaptive = True  # each guess is a draft forward pass: the engine asks for what a sequence lately keeps
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, vocab_size: int, tokenizer: Any,
                  num_blocks: int) -> None:
@@ -79,21 +97,91 @@ class DraftModelProposer:
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
         self.max_len = min(self.runner.max_position, num_blocks * config.block_size)
         self.drafts: dict[str, _Draft] = {}
+        self.budget = GuessBudget()
+        self._step_cost: tuple[float, int] | None = None  # this step's guessing: seconds, draft passes
+        self._passes = 0
+        self._prompt_pass = False  # this step caught up on a prompt: no guess's cost
         self._warned = False
+        self._said_costly = False
 
     # ----------------------------------------------------------------- the engine's side
     def propose_many(self, seqs: list[Sequence], rooms: list[int]) -> dict[str, list[int]]:
         """Up to ``min(k, rooms[i])`` greedy guesses for each of ``seqs``, keyed by request id."""
-        live = {seq.request_id for seq in seqs}
-        for rid in [rid for rid in self.drafts if rid not in live]:
-            self.release(rid)  # preempted, or no longer a greedy decode: its blocks serve the others
+        self.retain({seq.request_id for seq in seqs})
+        return self.guess(seqs, rooms)
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Release every request not in ``request_ids`` (preempted, or no longer a greedy decode): its blocks
+        serve the others."""
+        for rid in [rid for rid in self.drafts if rid not in request_ids]:
+            self.release(rid)
+
+    def guess(self, seqs: list[Sequence], rooms: list[int]) -> dict[str, list[int]]:
+        """``propose_many`` for ``seqs``, keeping every other request's draft state."""
+        self._step_cost, self._passes, self._prompt_pass = None, 0, False
         try:
-            return self._propose(seqs, rooms)
+            started = time.perf_counter()
+            guesses = self._propose(seqs, rooms)
+            if self._passes and not self._prompt_pass:
+                self._step_cost = (time.perf_counter() - started, self._passes)
+            return guesses
         except Exception as exc:  # noqa: BLE001 - a draft bug costs this step's guesses, never a request
             self._warn(exc)
-            for rid in live:
-                self.release(rid)
+            for seq in seqs:
+                self.release(seq.request_id)
             return {}
+
+    def observe(self, request_id: str, drafted: int, kept: int) -> None:
+        """Every guess kept: ask for more next step; any rejected: fewer (``next_lookahead``). The request's
+        and the overall share of guesses kept feed ``GuessBudget``."""
+        self.budget.record_guesses(drafted, kept)
+        draft = self.drafts.get(request_id)
+        if draft is not None:
+            draft.lookahead = next_lookahead(draft.lookahead or self.k, drafted, kept, self.k)
+            draft.kept = self.budget.decay * draft.kept + kept
+            draft.checked = self.budget.decay * draft.checked + checked_guesses(drafted, kept)
+
+    def observe_step(self, target_seconds: float) -> None:
+        """Weigh this step's guessing against the target's forward (``GuessBudget.cost_ratio``): all of it,
+        the draft's bookkeeping included, per draft pass."""
+        if self._step_cost is not None:
+            seconds, passes = self._step_cost
+            self.budget.record_cost(seconds / passes, target_seconds)
+            self._step_cost = None
+
+    def value(self, seq: Sequence, room: int) -> float:
+        """Target steps the draft's guesses for ``seq`` would save this step, less what its passes cost."""
+        draft = self.drafts.get(seq.request_id)
+        kept, checked, lookahead = (draft.kept, draft.checked, draft.lookahead) if draft else (0.0, 0.0, 0)
+        a = self.budget.acceptance(kept, checked)
+        n = min(lookahead or self.k, self.budget.worth(a, self.k), room)
+        return expected_yield(a, n) - n * (self.budget.cost_ratio or 0.0)
+
+    def _wanted(self, seq: Sequence, room: int) -> int:
+        """Guesses to ask of the draft for ``seq`` this step: its lookahead, capped by what is worth a pass."""
+        draft = self.drafts.get(seq.request_id)
+        if draft is None:  # a new request: the draft's record over all requests decides
+            draft = self.drafts[seq.request_id] = _Draft(Sequence(seq.request_id, [], SamplingParams()))
+        worth = self.budget.worth(self.budget.acceptance(draft.kept, draft.checked), self.k)
+        if worth == 0:
+            self._say_costly()
+            if (self.budget.cost_ratio or 0.0) >= 1.0:  # slower than a target step: no acceptance would pay
+                draft.probe_every = MAX_PROBE_EVERY
+            draft.skipped += 1
+            if draft.skipped < draft.probe_every:
+                return 0
+            draft.probe_every = min(2 * draft.probe_every, MAX_PROBE_EVERY)
+            worth = 1
+        else:
+            draft.probe_every = PROBE_EVERY
+        draft.skipped = 0
+        return min(draft.lookahead or self.k, worth, room)
+
+    def _say_costly(self) -> None:
+        if not self._said_costly:
+            log.info("draft model %s: a pass costs %.0f%% of a target step, so its guesses are asked for only "
+                     "where they are kept often enough to pay", self.model_dir, 100 * (self.budget.cost_ratio or 0))
+            self._said_costly = True
 
     def release(self, request_id: str) -> None:
         draft = self.drafts.pop(request_id, None)
@@ -105,11 +193,12 @@ class DraftModelProposer:
         work: list[tuple[Sequence, int]] = []  # (draft view, guesses wanted)
         for seq, room in zip(seqs, rooms):
             # guesses land at positions num_tokens..num_tokens+limit-1; the draft computes all but the last
-            limit = min(self.k, room, self.max_len + 1 - seq.num_tokens)
+            if self.max_len + 1 - seq.num_tokens < 1:
+                self.release(seq.request_id)  # past what the draft can hold: no guesses from here on
+                continue
+            limit = min(self._wanted(seq, room), self.max_len + 1 - seq.num_tokens)
             if limit >= 1:
                 work.append((self._sync(seq), limit))
-            else:
-                self.release(seq.request_id)  # past what the draft can hold: no guesses from here on
         # 1. catch-up, fewest unseen tokens first so one-token catch-ups run as decodes
         work.sort(key=lambda w: w[0].num_tokens - w[0].num_computed_tokens)
         budget = self.max_num_batched_tokens
@@ -179,6 +268,8 @@ class DraftModelProposer:
         a sequence that fails alone loses its guesses. KV writes are idempotent, so a retry is safe."""
         if not items:
             return {}
+        self._passes += 1
+        self._prompt_pass |= max(item.num_tokens for item in items) > self.k + 1
         try:
             step = self.runner.execute(items, sample)
         except Exception as exc:  # noqa: BLE001 - see the docstring

@@ -31,12 +31,12 @@ from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq, Scheduler
 from serving.engine.sequence import Sequence
 from serving.engine.speculative import (
+    LookupThenDraft,
     NgramProposer,
     Proposer,
     SpeculationStats,
     accepted_prefix,
     can_speculate,
-    next_lookahead,
 )
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,10 @@ class LLMEngine:
             self.num_steps += 1
             scheduled = plan.scheduled
             try:
+                started = time.perf_counter()
                 result = self._compute(scheduled)
+                if drafted:
+                    self.proposer.observe_step(time.perf_counter() - started)
             except Exception as exc:  # noqa: BLE001 - isolate whatever went wrong, then decide
                 outputs += self._isolate(scheduled, exc)
                 return outputs
@@ -249,13 +252,10 @@ class LLMEngine:
         if self.proposer is None:
             return []
         seqs, rooms = [], []
-        adaptive = self.proposer.adaptive
         for seq in self.scheduler.running:
             if not can_speculate(seq):
                 continue
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            if adaptive and seq.spec_lookahead:
-                room = min(room, seq.spec_lookahead)
             if room > 0:
                 seqs.append(seq)
                 rooms.append(room)
@@ -285,9 +285,8 @@ class LLMEngine:
         drafts = seq.draft_token_ids
         emitted = accepted_prefix(drafts, greedy)
         _drop_drafts(seq)
-        if self.proposer is not None and self.proposer.adaptive:
-            k = self.config.speculative_tokens
-            seq.spec_lookahead = next_lookahead(seq.spec_lookahead or k, len(drafts), len(emitted) - 1, k)
+        if self.proposer is not None:
+            self.proposer.observe(seq.request_id, len(drafts), len(emitted) - 1)
         self.speculation.steps += 1
         self.speculation.drafted += len(drafts)
         self.speculation.accepted += len(emitted) - 1
@@ -456,13 +455,17 @@ class LLMEngine:
 
 
 def _make_proposer(config: EngineConfig, runner: ModelRunner, tokenizer: Any) -> Proposer | None:
-    """The source of guesses: a draft model when ``speculative_model`` names one, else n-gram lookup."""
+    """The source of guesses: n-gram lookup; or a draft model when ``speculative_model`` names one, with the
+    lookup's guesses first where the context repeats unless ``speculative_lookup`` is off."""
     if not config.speculative_tokens:
         return None
     if config.speculative_model is None:
         return NgramProposer(config.speculative_tokens, config.speculative_ngram)
-    return DraftModelProposer(config.speculative_model, config, runner.vocab_size, tokenizer,
-                              draft_cache_blocks(config, runner.num_blocks))
+    draft = DraftModelProposer(config.speculative_model, config, runner.vocab_size, tokenizer,
+                               draft_cache_blocks(config, runner.num_blocks))
+    if not config.speculative_lookup:
+        return draft
+    return LookupThenDraft(NgramProposer(config.speculative_tokens, config.speculative_ngram), draft)
 
 
 def _drop_drafts(seq: Sequence) -> None:

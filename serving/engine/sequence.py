@@ -49,8 +49,6 @@ class Sequence:
     generator: object = None
     # guessed tokens at the end of token_ids, pending the check of this step (speculative decoding)
     draft_token_ids: list[int] = field(default_factory=list)
-    # guesses to ask for next step when the proposer is adaptive (speculative.next_lookahead); 0 = k
-    spec_lookahead: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -8,7 +8,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams
-from serving.engine.draft_model import DraftModelProposer
 from serving.engine.speculative import NgramProposer, accepted_prefix, next_lookahead
 from tests.serving.test_api_server import MODEL, running_server
 
@@ -38,7 +37,6 @@ def test_lookahead_grows_while_guesses_are_kept_and_shrinks_on_a_rejection():
     assert next_lookahead(3, drafted=3, kept=3, k=k) == k  # capped at k
     assert next_lookahead(k, drafted=k, kept=2, k=k) == 3
     assert next_lookahead(1, drafted=1, kept=0, k=k) == 1  # never below one guess
-    assert NgramProposer(k).adaptive is False and DraftModelProposer.adaptive is True
 
 
 def test_accepted_prefix_keeps_agreeing_guesses_then_the_models_token():

@@ -1,5 +1,7 @@
 """Speculative decoding with a draft model: the greedy output token for token whatever the draft guesses,
-fewer steps when it guesses well, its own KV blocks always returned, a draft of another vocabulary refused."""
+fewer steps when it guesses well, its own KV blocks always returned, a draft of another vocabulary refused;
+with the n-gram lookup first (the default), the lookup's guesses where the context repeats and the draft's
+elsewhere, the draft's state kept across the lookup's steps."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving.cli import main
 from serving.engine import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
 from serving.engine.draft_model import DraftModelProposer
+from serving.engine.speculative import LookupThenDraft, NgramProposer
 from tests.serving.test_api_server import MODEL, running_server
 from tests.serving.test_speculative import PROMPTS, assert_stop_rules_match
 
@@ -25,15 +28,18 @@ REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
-def _engine(model_dir: Path, draft: Path | None = None, k: int = 4, **kw) -> LLMEngine:
+def _engine(model_dir: Path, draft: Path | None = None, k: int = 4, lookup: bool = False, **kw) -> LLMEngine:
+    """An engine speculating with ``draft`` alone (``lookup``: with the n-gram lookup first, as served)."""
     kw = {"num_blocks": 256, "block_size": 8, **kw}
     return LLMEngine.from_pretrained(model_dir, EngineConfig(speculative_tokens=k if draft else 0,
-                                                             speculative_model=str(draft) if draft else None, **kw))
+                                                             speculative_model=str(draft) if draft else None,
+                                                             speculative_lookup=lookup, **kw))
 
 
 def _draft_blocks_all_free(engine: LLMEngine) -> bool:
-    bm = engine.proposer.block_manager
-    return not engine.proposer.drafts and bm.num_free_blocks == bm.num_blocks
+    draft = getattr(engine.proposer, "draft", engine.proposer)
+    bm = draft.block_manager
+    return not draft.drafts and bm.num_free_blocks == bm.num_blocks
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +70,13 @@ def self_draft(micro_base_dir) -> LLMEngine:
 @pytest.fixture(scope="module")
 def small_draft(micro_base_dir, micro_1layer_dir) -> LLMEngine:
     return _engine(micro_base_dir, draft=micro_1layer_dir)
+
+
+@pytest.fixture(scope="module")
+def lookup_then_draft(micro_base_dir, micro_1layer_dir) -> LLMEngine:
+    engine = _engine(micro_base_dir, draft=micro_1layer_dir, lookup=True)
+    assert isinstance(engine.proposer, LookupThenDraft)
+    return engine
 
 
 @pytest.mark.parametrize("draft", ["micro_1layer_dir", "tiny_model_dir"])
@@ -150,9 +163,61 @@ def test_a_smaller_draft_changes_no_token_at_batch_1_or_batched(plain, small_dra
     assert _draft_blocks_all_free(small_draft)
 
 
-@pytest.mark.parametrize("which", ["self", "small"])
-def test_stop_rules_apply_inside_an_accepted_guess(plain, self_draft, small_draft, which):
-    spec = self_draft if which == "self" else small_draft
+def test_lookup_then_draft_guesses_from_the_context_where_it_repeats_and_from_the_draft_elsewhere(
+        micro_1layer_dir):
+    """The combined proposer alone, driven as the engine drives it: a context that repeats gets the lookup's
+    guesses, one that does not gets the draft's; the draft keeps a request's cache and lookahead while the
+    lookup guesses for it, and learns only from its own guesses."""
+    from serving.engine.sequence import Sequence
+
+    k = 4
+    config = EngineConfig(num_blocks=64, block_size=8, speculative_tokens=k)
+    draft_alone = _engine(micro_1layer_dir)
+    lookup = NgramProposer(k)
+    proposer = LookupThenDraft(lookup, DraftModelProposer(micro_1layer_dir, config, draft_alone.runner.vocab_size,
+                                                          draft_alone.tokenizer, num_blocks=64))
+
+    def continuation(tokens: list[int], n: int = k) -> list[int]:
+        (out,) = draft_alone.generate([tokens], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return out.token_ids
+
+    fresh = [11, 12, 13, 14, 15, 16, 17, 18]  # nothing repeats: only the draft can guess
+    a = Sequence("a", list(fresh), GREEDY)
+    assert lookup.propose(a.token_ids, k) == []
+    assert proposer.propose_many([a], [k]) == {"a": continuation(a.token_ids)}
+    proposer.observe("a", drafted=k, kept=0)  # all rejected: the draft is asked for fewer next time
+    assert proposer.draft.drafts["a"].lookahead == k - 1
+    a.token_ids += [40, 41, 42, 43, 44, 12, 13]  # "12 13" occurred before: the lookup guesses "14 15 16 17"
+    assert proposer.propose_many([a], [k]) == {"a": [14, 15, 16, 17]}
+    proposer.observe("a", drafted=k, kept=0)  # the lookup's miss is not the draft's
+    assert "a" in proposer.draft.drafts and proposer.draft.drafts["a"].lookahead == k - 1
+    a.token_ids += [50]  # the repeat ended: back to the draft, which catches up on the tokens it missed
+    assert proposer.propose_many([a], [k]) == {"a": continuation(a.token_ids, k - 1)}
+    assert proposer.propose_many([], []) == {} and not proposer.draft.drafts  # gone from the step: released
+    assert proposer.draft.block_manager.num_free_blocks == 64
+
+
+def test_lookup_then_draft_changes_no_token_and_takes_more_per_step_on_repeats(plain, small_draft,
+                                                                             lookup_then_draft):
+    """Batch 1 and batched, the output of plain greedy; on prompts that repeat their context the combined
+    proposer emits more tokens per target step than the draft alone."""
+    repeats = PROMPTS[:3]
+    steps = {}
+    for name, spec in (("draft", small_draft), ("both", lookup_then_draft)):
+        before = spec.num_steps
+        for prompt in repeats:
+            (a,), (b,) = plain.generate([prompt], GREEDY), spec.generate([prompt], GREEDY)
+            assert (b.token_ids, b.text) == (a.token_ids, a.text), (name, prompt)
+        steps[name] = spec.num_steps - before
+    assert steps["both"] < steps["draft"], steps
+    assert [o.token_ids for o in lookup_then_draft.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert _draft_blocks_all_free(lookup_then_draft)
+
+
+@pytest.mark.parametrize("which", ["self", "small", "lookup"])
+def test_stop_rules_apply_inside_an_accepted_guess(plain, self_draft, small_draft, lookup_then_draft, which):
+    spec = {"self": self_draft, "small": small_draft, "lookup": lookup_then_draft}[which]
     assert_stop_rules_match(plain, spec)
     assert _draft_blocks_all_free(spec)
 
@@ -257,7 +322,10 @@ def test_serve_flags_map_and_a_bad_draft_is_one_line(micro_base_dir, tmp_path, c
     args = build_parser().parse_args(["snapshot", "bundle", "--standalone", "--speculative-model",
                                       str(micro_base_dir), "--speculative-tokens", "3"])
     cfg = engine_config_from_args(args)  # `deploy snapshot --standalone` shares the serve flags
-    assert (cfg.speculative_model, cfg.speculative_tokens) == (str(micro_base_dir), 3)
+    assert (cfg.speculative_model, cfg.speculative_tokens, cfg.speculative_lookup) == (str(micro_base_dir), 3, True)
+    args = build_parser().parse_args(["snapshot", "bundle", "--standalone", "--speculative-model",
+                                      str(micro_base_dir), "--speculative-tokens", "3", "--no-speculative-lookup"])
+    assert engine_config_from_args(args).speculative_lookup is False
     assert main(["serve", str(micro_base_dir), "--speculative-model", str(tmp_path / "nowhere"),
                  "--speculative-tokens", "4"]) == 2
     assert main(["serve", str(micro_base_dir), "--speculative-model", str(micro_base_dir)]) == 2
