@@ -98,9 +98,9 @@ class DraftModelProposer:
         self.max_len = min(self.runner.max_position, num_blocks * config.block_size)
         self.drafts: dict[str, _Draft] = {}
         self.budget = GuessBudget()
-        self._step_cost: tuple[float, int] | None = None  # this step's guessing: seconds, draft passes
-        self._passes = 0
-        self._prompt_pass = False  # this step caught up on a prompt: no guess's cost
+        self._step_cost: float | None = None  # this step's guessing, in seconds per decode-sized draft pass
+        self._long_passes: list[float] = []  # this step's catch-ups over many tokens (a prompt, missed tokens)
+        self._passes = 0  # this step's decode-sized passes
         self._warned = False
         self._said_costly = False
 
@@ -118,12 +118,13 @@ class DraftModelProposer:
 
     def guess(self, seqs: list[Sequence], rooms: list[int]) -> dict[str, list[int]]:
         """``propose_many`` for ``seqs``, keeping every other request's draft state."""
-        self._step_cost, self._passes, self._prompt_pass = None, 0, False
+        self._step_cost, self._passes = None, 0
+        self._long_passes.clear()
         try:
             started = time.perf_counter()
             guesses = self._propose(seqs, rooms)
-            if self._passes and not self._prompt_pass:
-                self._step_cost = (time.perf_counter() - started, self._passes)
+            if self._passes:  # bookkeeping included; one-off catch-ups left out
+                self._step_cost = (time.perf_counter() - started - sum(self._long_passes)) / self._passes
             return guesses
         except Exception as exc:  # noqa: BLE001 - a draft bug costs this step's guesses, never a request
             self._warn(exc)
@@ -142,11 +143,11 @@ class DraftModelProposer:
             draft.checked = self.budget.decay * draft.checked + checked_guesses(drafted, kept)
 
     def observe_step(self, target_seconds: float) -> None:
-        """Weigh this step's guessing against the target's forward (``GuessBudget.cost_ratio``): all of it,
-        the draft's bookkeeping included, per draft pass."""
+        """Weigh this step's guessing against the target's forward (``GuessBudget.cost_ratio``): per
+        decode-sized draft pass, the draft's bookkeeping included and one-off catch-ups (a prompt, the tokens a
+        request missed while it got no guesses) left out."""
         if self._step_cost is not None:
-            seconds, passes = self._step_cost
-            self.budget.record_cost(seconds / passes, target_seconds)
+            self.budget.record_cost(self._step_cost, target_seconds)
             self._step_cost = None
 
     def value(self, seq: Sequence, room: int) -> float:
@@ -171,9 +172,9 @@ class DraftModelProposer:
             if draft.skipped < draft.probe_every:
                 return 0
             draft.probe_every = min(2 * draft.probe_every, MAX_PROBE_EVERY)
-            worth = 1
-        else:
-            draft.probe_every = PROBE_EVERY
+            draft.skipped = 0
+            return min(2, room)  # the catch-up over the steps it missed, and one decode-sized pass to re-measure
+        draft.probe_every = PROBE_EVERY
         draft.skipped = 0
         return min(draft.lookahead or self.k, worth, room)
 
@@ -268,8 +269,9 @@ class DraftModelProposer:
         a sequence that fails alone loses its guesses. KV writes are idempotent, so a retry is safe."""
         if not items:
             return {}
-        self._passes += 1
-        self._prompt_pass |= max(item.num_tokens for item in items) > self.k + 1
+        # a catch-up over a prompt, or over what a request missed while it got no guesses, is a one-off
+        long = max(item.num_tokens for item in items) > self.k + 1
+        started = time.perf_counter()
         try:
             step = self.runner.execute(items, sample)
         except Exception as exc:  # noqa: BLE001 - see the docstring
@@ -284,6 +286,10 @@ class DraftModelProposer:
         done = dict.fromkeys(range(len(items)))
         if step.sample_rows:
             done.update(zip(step.sample_rows, step.sample_logits.argmax(-1).tolist()))
+        if long:
+            self._long_passes.append(time.perf_counter() - started)
+        else:
+            self._passes += 1
         return done
 
     def _warn(self, exc: Exception) -> None:

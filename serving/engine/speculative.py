@@ -225,11 +225,15 @@ class GuessBudget:
     decay: float = 0.8  # weight of the past in each decayed average
     prior_weight: float = 2.0  # a request's own record counts as much as the overall one after this many checks
     cost_ratio: Optional[float] = None  # a draft pass's seconds over a target forward's
+    warmup: int = 1  # measurements to ignore at first
     kept: float = 0.0  # decayed guesses kept, all requests
     checked: float = 0.0  # decayed guesses checked up to the first rejection, all requests
 
     def record_cost(self, pass_seconds: float, target_seconds: float) -> None:
         if pass_seconds <= 0 or target_seconds <= 0:
+            return
+        if self.warmup > 0:  # the first steps of a process build kernels and buffers: not what a pass costs
+            self.warmup -= 1
             return
         ratio = pass_seconds / target_seconds
         self.cost_ratio = ratio if self.cost_ratio is None else self.decay * self.cost_ratio + (1 - self.decay) * ratio

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams
-from serving.engine.speculative import NgramProposer, accepted_prefix, next_lookahead
+from serving.engine.speculative import GuessBudget, NgramProposer, accepted_prefix, expected_yield, next_lookahead
 from tests.serving.test_api_server import MODEL, running_server
 
 PROMPTS = [
@@ -37,6 +37,25 @@ def test_lookahead_grows_while_guesses_are_kept_and_shrinks_on_a_rejection():
     assert next_lookahead(3, drafted=3, kept=3, k=k) == k  # capped at k
     assert next_lookahead(k, drafted=k, kept=2, k=k) == 3
     assert next_lookahead(1, drafted=1, kept=0, k=k) == 1  # never below one guess
+
+
+def test_guesses_are_worth_asking_for_while_their_chance_beats_a_pass_cost():
+    budget = GuessBudget()
+    assert budget.worth(0.5, k=4) == 4  # no cost measured yet: every guess
+    budget.record_cost(pass_seconds=5.0, target_seconds=1.0)  # the first step: warming up, not counted
+    assert budget.cost_ratio is None
+    budget.record_cost(pass_seconds=0.3, target_seconds=1.0)
+    assert budget.cost_ratio == pytest.approx(0.3)
+    assert budget.worth(0.8, k=4) == 4  # 0.8 ** 4 = 0.41 >= 0.3
+    assert budget.worth(0.6, k=4) == 2  # 0.36 >= 0.3 > 0.216
+    assert budget.worth(0.25, k=4) == 0
+    budget.record_cost(pass_seconds=1.3, target_seconds=1.0)  # decayed toward the new ratio
+    assert budget.cost_ratio == pytest.approx(0.8 * 0.3 + 0.2 * 1.3)
+    assert budget.acceptance() == 1.0  # nothing checked yet: optimistic
+    budget.record_guesses(drafted=4, kept=1)  # 1 kept, then 1 rejected: 2 checked
+    assert budget.acceptance() == pytest.approx(0.5)
+    assert budget.acceptance(kept=10, checked=10) == pytest.approx((10 + 2 * 0.5) / 12)  # a request's own record
+    assert expected_yield(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
 
 
 def test_accepted_prefix_keeps_agreeing_guesses_then_the_models_token():

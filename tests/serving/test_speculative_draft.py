@@ -197,6 +197,38 @@ def test_lookup_then_draft_guesses_from_the_context_where_it_repeats_and_from_th
     assert proposer.draft.block_manager.num_free_blocks == 64
 
 
+def test_a_draft_costlier_than_a_target_step_is_asked_for_nothing_but_rare_probes(micro_1layer_dir):
+    """The proposer alone, told (as the engine tells it after each step) that the target's forward took far
+    less than the draft's passes: no share of guesses kept could pay, so a request gets no guesses except a
+    probe after ``MAX_PROBE_EVERY`` steps, which measures the cost again."""
+    from serving.engine.draft_model import MAX_PROBE_EVERY
+    from serving.engine.sequence import Sequence
+
+    k = 4
+    config = EngineConfig(num_blocks=64, block_size=8, speculative_tokens=k)
+    draft_alone = _engine(micro_1layer_dir)
+    proposer = DraftModelProposer(micro_1layer_dir, config, draft_alone.runner.vocab_size, draft_alone.tokenizer,
+                                  num_blocks=64)
+    a = Sequence("a", draft_alone.encode(PROMPTS[4])[:6], GREEDY)
+
+    def step(target_seconds: float) -> list[int]:
+        guesses = proposer.propose_many([a], [k]).get("a", [])
+        proposer.observe_step(target_seconds)
+        if guesses:
+            proposer.observe("a", drafted=len(guesses), kept=len(guesses))  # every guess kept
+        a.token_ids.append(guesses[0] if guesses else 9)
+        return guesses
+
+    for _ in range(2):  # warming up, then a measured step: a pass costs 10**4 x a "target step"
+        assert len(step(1e-8)) == k
+    assert proposer.budget.cost_ratio > 1.0
+    counts = [len(step(1e-8)) for _ in range(MAX_PROBE_EVERY - 1)]
+    assert counts == [0] * (MAX_PROBE_EVERY - 1)
+    before = proposer.budget.cost_ratio
+    assert len(step(10.0)) == 2  # the probe: a catch-up over the missed tokens and one decode-sized pass
+    assert proposer.budget.cost_ratio < before  # measured again, against a slow target this time
+
+
 def test_lookup_then_draft_changes_no_token_and_takes_more_per_step_on_repeats(plain, small_draft,
                                                                              lookup_then_draft):
     """Batch 1 and batched, the output of plain greedy; on prompts that repeat their context the combined
