@@ -122,7 +122,8 @@ async def drive_level(client, url: str, pid: int, args: argparse.Namespace, voca
     return res
 
 
-async def drive_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace, vocab: int) -> dict[str, dict[str, list]]:
+async def drive_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace,
+                    vocab: int) -> dict[str, dict[str, list]]:
     """Every level, ``--rounds`` times, the servers taking turns within a round (the order rotates each round),
     so a slow minute on this shared host falls on all of them alike instead of on whichever ran then."""
     import httpx

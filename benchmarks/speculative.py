@@ -4,8 +4,9 @@ Users meet speculation where they meet the server, so this measures it there: ``
 processes on the same model with the same thread budget, one plain and one with n-gram speculation (or,
 with ``--draft-model DIR``, three: two with that draft model, ``--speculative-model DIR`` as served by
 default (the n-gram lookup's guesses where the context repeats and they promise more than the draft's) and
-with ``--no-speculative-lookup`` (the draft's guesses alone), and one with n-gram lookup alone), driven in turns by one streaming client at concurrency 1 (where speculation pays: a
-lone decode step reads every weight for one token). Two workloads, greedy, ``ignore_eos``:
+with ``--no-speculative-lookup`` (the draft's guesses alone), and one with n-gram lookup alone), driven
+in turns by one streaming client at concurrency 1 (where speculation pays: a lone decode step reads every
+weight for one token). Two workloads, greedy, ``ignore_eos``:
 
 - **repeats its context**: a prompt P, the model's own greedy continuation C of P, then P again
   (``P C P``), as when a user asks to rewrite or quote a text: the reply after the second P largely
