@@ -133,8 +133,9 @@ class DraftSource(Proposer, Protocol):
 class LookupThenDraft:
     """The n-gram lookup's guesses where the context repeats and they beat the draft's, the draft's elsewhere.
 
-    Why: a small draft guesses fresh text well but cannot copy a passage from its context (a one-layer draft
-    keeps about half its guesses on "repeat this list" prompts, where the lookup keeps three in four). The
+    Why: a small draft guesses fresh text well but cannot copy a passage from its context (on prompts that
+    repeat their context a one-layer draft keeps about half its guesses; the lookup kept three in four on the
+    bench model's). The
     lookup costs nothing, but its guesses are not always the better ones: on fresh text a two-token match is
     often chance, and a wrong guess displaces the draft's right one. So where the lookup finds a match, its
     guesses are taken when their expected yield (the sum of ``a ** j`` over the guesses, ``a`` the share of
@@ -211,9 +212,9 @@ class GuessBudget:
     """How many draft guesses are worth their passes, from what a pass costs and how often guesses are kept.
 
     Why: a draft pass is not free, and what it costs relative to a target step depends on the pair and the
-    hardware. A one-layer fp32 draft costs a third of a step of the default pipeline's fp32 4-layer model,
-    where four guesses a step pay, but three quarters of a step of its 4-bit snapshot, where even one barely
-    does (figures in ``benchmarks/RESULTS.md``). The j-th guess of a step is kept with probability about
+    hardware. With its bookkeeping, a one-layer fp32 draft costs about a third of a step of the default
+    pipeline's fp32 4-layer model, where four guesses a step pay, but more than a step of its 4-bit snapshot,
+    where none does (figures in ``benchmarks/RESULTS.md``). The j-th guess of a step is kept with probability about
     ``a ** j`` (``a``: the share of guesses kept, counting each guess checked up to the first rejection) and
     costs one draft pass, ``c`` of a target step; it saves a target step when kept, so it is worth asking
     for while ``a ** j >= c``. ``c`` is measured as the engine runs (decayed average of the ratio of a step's
