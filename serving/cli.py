@@ -69,11 +69,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: tokens guessed per step for greedy requests, from the context "
                         "(n-gram lookup) or by --speculative-model (0 = off; try 4) (default: %(default)s)")
     p.add_argument("--speculative-model", metavar="DIR", default=d.speculative_model,
-                   help="a smaller HF model directory with the same tokenizer that guesses the tokens instead of "
-                        "the n-gram lookup (needs --speculative-tokens K)")
+                   help="a smaller HF model directory with the same tokenizer that guesses the tokens (needs "
+                        "--speculative-tokens K); guesses are asked for only where they pay for its passes")
     p.add_argument("--speculative-lookup", action=argparse.BooleanOptionalAction, default=d.speculative_lookup,
                    help="with --speculative-model: take the n-gram lookup's guesses where the context repeats and "
-                        "the draft's elsewhere (default: on; --no-speculative-lookup asks the draft every step)")
+                        "they promise more than the draft's, the draft's elsewhere (default: on; "
+                        "--no-speculative-lookup asks the draft alone)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets in-flight requests run; then they are ended and the process exits "
                         "(default: %(default)s)")

@@ -40,9 +40,10 @@ class EngineConfig:
     # unless ``speculative_model`` names a draft model
     speculative_tokens: int = 0
     speculative_ngram: int = 4  # longest context suffix looked up (down to 2 tokens)
-    # a draft model (a local HF dir with the target's vocabulary) that guesses instead of the n-gram lookup
+    # a draft model (a local HF dir with the target's vocabulary) that guesses too (serving.engine.draft_model)
     speculative_model: Optional[str] = None
-    # with a draft model: the n-gram lookup's guesses first where the context repeats, the draft's elsewhere
+    # with a draft model: the n-gram lookup's guesses where the context repeats and they promise more than the
+    # draft's, the draft's elsewhere (speculative.LookupThenDraft); False: the draft's alone
     speculative_lookup: bool = True
 
     def __post_init__(self) -> None:
