@@ -268,11 +268,12 @@ def test_an_aborted_request_returns_its_draft_blocks(small_draft):
     assert _draft_blocks_all_free(small_draft)
 
 
-def test_preemption_and_a_chunked_catch_up_change_no_token(plain, micro_base_dir, micro_1layer_dir):
+@pytest.mark.parametrize("lookup", [False, True])
+def test_preemption_and_a_chunked_catch_up_change_no_token(plain, micro_base_dir, micro_1layer_dir, lookup):
     """A target cache too small for four sequences preempts some (their draft state is dropped and rebuilt),
     and a step budget of 16 tokens makes the draft catch up on a long prompt over several steps."""
     want = plain.generate(PROMPTS[:4], GREEDY)
-    spec = _engine(micro_base_dir, draft=micro_1layer_dir, num_blocks=16, max_num_batched_tokens=16)
+    spec = _engine(micro_base_dir, draft=micro_1layer_dir, lookup=lookup, num_blocks=16, max_num_batched_tokens=16)
     got = spec.generate(PROMPTS[:4], GREEDY)
     assert spec.scheduler.num_preemptions > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -297,11 +298,12 @@ def test_a_tiny_draft_cache_gives_fewer_guesses_and_the_same_output(plain, small
     assert _draft_blocks_all_free(tiny)
 
 
-def test_a_failing_draft_costs_guesses_never_a_request(plain, micro_base_dir, micro_1layer_dir):
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_failing_draft_costs_guesses_never_a_request(plain, micro_base_dir, micro_1layer_dir, lookup):
     prompts = PROMPTS[:3]
     want = plain.generate(prompts, GREEDY)
-    spec = _engine(micro_base_dir, draft=micro_1layer_dir)
-    runner = spec.proposer.runner
+    spec = _engine(micro_base_dir, draft=micro_1layer_dir, lookup=lookup)
+    runner = getattr(spec.proposer, "draft", spec.proposer).runner
     real_execute = runner.execute
     faults = []
 
