@@ -105,6 +105,10 @@ class DraftModelProposer:
         self._said_costly = False
 
     # ----------------------------------------------------------------- the engine's side
+    @property
+    def draft_cost_ratio(self) -> float | None:
+        return self.budget.cost_ratio
+
     def propose_many(self, seqs: list[Sequence], rooms: list[int]) -> dict[str, list[int]]:
         """Up to ``min(k, rooms[i])`` greedy guesses for each of ``seqs``, keyed by request id."""
         self.retain({seq.request_id for seq in seqs})

@@ -451,7 +451,8 @@ class LLMEngine:
                            generation_tokens_total=self.generation_tokens_total,
                            requests_finished_total=self.requests_finished_total, num_steps=self.num_steps,
                            spec_draft_tokens_total=self.speculation.drafted,
-                           spec_accepted_tokens_total=self.speculation.accepted)
+                           spec_accepted_tokens_total=self.speculation.accepted,
+                           spec_draft_cost_ratio=(self.proposer and self.proposer.draft_cost_ratio) or 0.0)
 
 
 def _make_proposer(config: EngineConfig, runner: ModelRunner, tokenizer: Any) -> Proposer | None:

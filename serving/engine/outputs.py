@@ -64,6 +64,7 @@ class EngineStats:
     num_steps: int
     spec_draft_tokens_total: int = 0  # guessed tokens checked (speculative decoding)
     spec_accepted_tokens_total: int = 0  # guessed tokens the model agreed with
+    spec_draft_cost_ratio: float = 0.0  # a draft pass's cost over a target step's, as measured (0: none yet)
 
     @property
     def spec_acceptance_rate(self) -> float:

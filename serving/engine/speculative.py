@@ -48,6 +48,11 @@ def can_speculate(seq: Sequence) -> bool:
 class Proposer(Protocol):
     """What the engine needs from a source of guesses."""
 
+    @property
+    def draft_cost_ratio(self) -> Optional[float]:
+        """What a draft model's pass costs over a target step, as measured so far (None: no draft, or not yet)."""
+        ...
+
     def propose_many(self, seqs: list[Sequence], rooms: list[int]) -> dict[str, list[int]]:
         """Guesses for ``seqs`` (greedy decodes, real tokens only), at most ``rooms[i]`` tokens for ``seqs[i]``,
         keyed by request id; a sequence may get none. Never raises for a sequence's sake. A request that had
@@ -76,6 +81,8 @@ class NgramProposer:
     more specific context, so its continuation is more likely right. Searching only the last ``window``
     tokens bounds the cost of a step on long contexts.
     """
+
+    draft_cost_ratio = None  # no draft model
 
     def __init__(self, k: int, max_n: int = 4, min_n: int = 2, window: int = 2048) -> None:
         if k < 1 or not 1 <= min_n <= max_n:
@@ -150,6 +157,10 @@ class LookupThenDraft:
         self.lookup_record = GuessBudget()  # the lookup's share of guesses kept (it costs no draft pass)
         self._records: dict[str, tuple[float, float]] = {}  # request -> the lookup's (kept, checked), decayed
         self._source: dict[str, str] = {}  # request -> who guessed for it this step: "lookup" or "draft"
+
+    @property
+    def draft_cost_ratio(self) -> Optional[float]:
+        return self.draft.draft_cost_ratio
 
     def propose_many(self, seqs: list[Sequence], rooms: list[int]) -> dict[str, list[int]]:
         live = {seq.request_id for seq in seqs}
