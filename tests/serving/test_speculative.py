@@ -148,4 +148,4 @@ def test_metrics_report_the_acceptance_over_http(micro_base_dir):
     rate = samples["vllm:spec_decode_draft_acceptance_rate"]
     assert rate == pytest.approx(samples["vllm:spec_decode_num_accepted_tokens_total"]
                                  / samples["vllm:spec_decode_num_draft_tokens_total"])
-    assert samples["lifecycle:spec_decode_draft_cost_ratio"] == 0  # no draft model: no pass to weigh
+    assert samples["vllm:spec_decode_draft_cost_ratio"] == 0  # no draft model: no pass to weigh

@@ -407,7 +407,7 @@ def test_http_replies_equal_plain_and_metrics_count_the_guesses(micro_base_dir, 
             assert r.json()["choices"][0]["text"] == reference["choices"][0]["text"], prompt
             seen.append(_spec_counters(base))
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)}
-        cost = families["lifecycle:spec_decode_draft_cost_ratio"].samples[0].value
+        cost = families["vllm:spec_decode_draft_cost_ratio"].samples[0].value
         assert 0 < cost < 10, cost  # what the engine measured a draft pass at, against a target step
     for before, after in zip(seen, seen[1:]):
         assert after[0] > before[0] and after[1] > before[1]  # drafted and accepted rise with every request
