@@ -49,7 +49,7 @@ from serving.engine.model_runner import ModelRunner
 from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import ScheduledSeq
 from serving.engine.sequence import Sequence
-from serving.engine.speculative import GuessBudget, checked_guesses, expected_yield, next_lookahead
+from serving.engine.speculative import GuessBudget, expected_yield, next_lookahead
 
 __all__ = ["MAX_PROBE_EVERY", "PROBE_EVERY", "DraftModelProposer", "draft_cache_blocks"]
 
@@ -143,8 +143,7 @@ class DraftModelProposer:
         draft = self.drafts.get(request_id)
         if draft is not None:
             draft.lookahead = next_lookahead(draft.lookahead or self.k, drafted, kept, self.k)
-            draft.kept = self.budget.decay * draft.kept + kept
-            draft.checked = self.budget.decay * draft.checked + checked_guesses(drafted, kept)
+            draft.kept, draft.checked = self.budget.updated((draft.kept, draft.checked), drafted, kept)
 
     def observe_step(self, target_seconds: float) -> None:
         """Weigh this step's guessing against the target's forward (``GuessBudget.cost_ratio``): per

@@ -189,10 +189,8 @@ class LookupThenDraft:
             self.draft.observe(request_id, drafted, kept)
         elif source == "lookup":
             self.lookup_record.record_guesses(drafted, kept)
-            old_kept, old_checked = self._records.get(request_id, (0.0, 0.0))
-            decay = self.lookup_record.decay
-            self._records[request_id] = (decay * old_kept + kept,
-                                         decay * old_checked + checked_guesses(drafted, kept))
+            self._records[request_id] = self.lookup_record.updated(self._records.get(request_id, (0.0, 0.0)),
+                                                                   drafted, kept)
 
     def observe_step(self, target_seconds: float) -> None:
         self.draft.observe_step(target_seconds)
@@ -251,8 +249,11 @@ class GuessBudget:
         self.cost_ratio = ratio if self.cost_ratio is None else self.decay * self.cost_ratio + (1 - self.decay) * ratio
 
     def record_guesses(self, drafted: int, kept: int) -> None:
-        self.kept = self.decay * self.kept + kept
-        self.checked = self.decay * self.checked + checked_guesses(drafted, kept)
+        self.kept, self.checked = self.updated((self.kept, self.checked), drafted, kept)
+
+    def updated(self, record: tuple[float, float], drafted: int, kept: int) -> tuple[float, float]:
+        """A (kept, checked) record, decayed, after a check that kept ``kept`` of ``drafted`` guesses."""
+        return (self.decay * record[0] + kept, self.decay * record[1] + checked_guesses(drafted, kept))
 
     def acceptance(self, kept: float = 0.0, checked: float = 0.0) -> float:
         """A request's share of guesses kept (its own ``kept`` of ``checked``), drawn toward the overall one."""
