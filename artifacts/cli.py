@@ -14,6 +14,8 @@ from artifacts.common.cli import main_with_subcommands
 from artifacts.errors import ConfigError
 from artifacts.manifest import Lineage, Manifest, manifest_digest
 
+TRACKING_URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI or the pipeline's store under $LIFECYCLE_HOME)"
+
 
 def _summary(bundle: Path, manifest: Manifest, title: str) -> str:
     """A short table: files with size and owner count, then the identity lines."""
@@ -72,9 +74,10 @@ def _cmd_write(args: argparse.Namespace) -> int:
 
 
 def _cmd_register(args: argparse.Namespace) -> int:
+    from artifacts.common.workdir import resolve_tracking_uri
     from artifacts.registry import register_bundle
 
-    ref = register_bundle(args.dir, args.model_name, tracking_uri=args.tracking_uri,
+    ref = register_bundle(args.dir, args.model_name, tracking_uri=resolve_tracking_uri(args.tracking_uri),
                           description=args.description, aliases=args.alias or ())
     aliases = f" aliases {','.join(ref.aliases)}" if ref.aliases else ""
     print(f"registered {ref.uri}{aliases}\n  source {ref.source}\n  manifest sha256 {ref.manifest_digest}")
@@ -82,10 +85,11 @@ def _cmd_register(args: argparse.Namespace) -> int:
 
 
 def _cmd_resolve(args: argparse.Namespace) -> int:
+    from artifacts.common.workdir import resolve_tracking_uri
     from artifacts.manifest import read_manifest
     from artifacts.registry import resolve_bundle
 
-    path = resolve_bundle(args.uri, args.dest, tracking_uri=args.tracking_uri, tp_degree=args.tp)
+    path = resolve_bundle(args.uri, args.dest, tracking_uri=resolve_tracking_uri(args.tracking_uri), tp_degree=args.tp)
     print(_summary(path, read_manifest(path), f"resolved {args.uri}"))
     print(json.dumps({"path": str(path)}))
     return 0
@@ -119,13 +123,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", required=True)
     p.add_argument("--alias", action="append")
     p.add_argument("--description", default=None)
-    p.add_argument("--tracking-uri", default=None)
+    p.add_argument("--tracking-uri", default=None, help=TRACKING_URI_HELP)
     p.set_defaults(func=_cmd_register)
 
     p = sub.add_parser("resolve", help="download models:/name@alias or models:/name/N and verify it")
     p.add_argument("uri")
     p.add_argument("--dest", required=True)
-    p.add_argument("--tracking-uri", default=None)
+    p.add_argument("--tracking-uri", default=None, help=TRACKING_URI_HELP)
     p.add_argument("--tp", type=int, default=None)
     p.set_defaults(func=_cmd_resolve)
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from artifacts.common.workdir import sqlite_artifact_root
 from artifacts.errors import BundleVerificationError, RegistryError
 from artifacts.manifest import MANIFEST_FILE, Manifest, manifest_digest
 from artifacts.verify import verify_bundle
@@ -112,7 +113,9 @@ def register_bundle(
             run_id, own_run = active.info.run_id, False
         else:
             experiment = client.get_experiment_by_name(EXPERIMENT_NAME)
-            experiment_id = experiment.experiment_id if experiment else client.create_experiment(EXPERIMENT_NAME)
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment(
+                EXPERIMENT_NAME, artifact_location=sqlite_artifact_root(tracking_uri or mlflow.get_tracking_uri(),
+                                                                        EXPERIMENT_NAME))
             run = client.create_run(experiment_id, run_name=f"bundle-{manifest.name}-{manifest.version}",
                                     tags={TAG_DIGEST: digest})
             run_id, own_run = run.info.run_id, True

@@ -288,8 +288,12 @@ def release_stage(ctx: PipelineContext, variant: str, bundle: StageOutput, evalu
     return ctx.run(f"release-{variant}", key, release)
 
 
-def rollout_stage(ctx: PipelineContext, release: StageOutput | None, data: StageOutput):
-    """Put the new candidate in front of traffic (recipe `rollout.mode`); never cached: it acts on the world."""
+def rollout_stage(ctx: PipelineContext, release: StageOutput | None, data: StageOutput,
+                  full_precision: StageOutput | None = None):
+    """Put the new candidate in front of traffic (recipe `rollout.mode`); never cached: it acts on the world.
+
+    ``full_precision``: the fp release of the same model; where no champion exists yet it becomes the first
+    champion and a quantized candidate is rolled out against it."""
     section = ctx.recipe.rollout
     if section.mode == "off" or not ctx.recipe.registry.enabled:
         return None
@@ -303,10 +307,14 @@ def rollout_stage(ctx: PipelineContext, release: StageOutput | None, data: Stage
         return RolloutOutcome(release.info["version"], "gates-failed", [line])
     from flows.rollout import pipeline_rollout
 
+    first = None
+    if full_precision is not None and full_precision is not release and "version" in full_precision.info \
+            and full_precision.info.get("gates_passed"):
+        first = (str(full_precision.info["version"]), full_precision.path)
     return pipeline_rollout(section, ctx.recipe.registered_model_name, str(release.info["version"]), release.path,
                             data.path, ctx.workdir.tracking_uri(),
                             str(ctx.workdir.runs / ctx.recipe.name / "fleet"),
-                            eval_passed=bool(release.info.get("gates_passed")))
+                            eval_passed=bool(release.info.get("gates_passed")), first_champion=first)
 
 
 # --- the flow --------------------------------------------------------------------------------------------
@@ -398,7 +406,7 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
         if draft is not None:
             report.notes.append(draft_note(draft, releases.get(ctx.ship_variant)))
 
-        rollout = rollout_stage(ctx, releases.get(ctx.ship_variant), data)
+        rollout = rollout_stage(ctx, releases.get(ctx.ship_variant), data, releases.get("fp"))
         if rollout is not None:
             report.notes.append("rollout:\n\n" + "\n".join(f"    {line}" for line in rollout.lines))
 

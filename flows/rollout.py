@@ -75,9 +75,14 @@ class RolloutOutcome:
 
 @flow(name="release-rollout", log_prints=True, validate_parameters=False)
 def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bundle: str, data_dir: str,
-                     tracking_uri: str, fleet_dir: str, eval_passed: bool | None = None) -> RolloutOutcome:
+                     tracking_uri: str, fleet_dir: str, eval_passed: bool | None = None,
+                     first_champion: tuple[str, str] | None = None) -> RolloutOutcome:
     """Roll the pipeline's new candidate out against the current champion on a local fleet, with replayed
-    held-out traffic; the fleet stops when the rollout ends (the registry keeps the verdict)."""
+    held-out traffic; the fleet stops when the rollout ends (the registry keeps the verdict).
+
+    ``first_champion`` (version, bundle): where no champion exists yet, install this one first (the full
+    precision build of the same model) and roll the candidate out against it, so the very first run already
+    checks online, in front of traffic, what the fidelity report predicts offline for the 4-bit candidate."""
     from serving.rollout.registry_console import RegistryConsole
 
     champion = RegistryConsole(model_name, tracking_uri).alias_version("champion")
@@ -95,10 +100,16 @@ def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bun
     fleet = LocalFleet(fleet_dir, model_name, tracking_uri, gateway_port=section.fleet.gateway_port or None,
                        threads=section.fleet.threads, kv_memory=section.fleet.kv_memory)
     try:
+        lines: list[str] = []
+        if champion is None and first_champion is not None and first_champion[0] != version:
+            installed = _install_first(fleet, model_name, first_champion[0], first_champion[1], tracking_uri)
+            lines, champion = installed.lines, first_champion[0]
         if champion is None:
             return _install_first(fleet, model_name, version, bundle, tracking_uri)
-        return _roll_out(section, fleet, model_name, version, champion, bundle, data_dir, tracking_uri,
-                         eval_passed)
+        outcome = _roll_out(section, fleet, model_name, version, champion, bundle, data_dir, tracking_uri,
+                            eval_passed)
+        outcome.lines[:0] = lines
+        return outcome
     finally:
         fleet.stop_all()
         console.print("[dim]local fleet stopped[/]", highlight=False)
@@ -138,11 +149,12 @@ def _roll_out(section: RolloutSection, fleet, model_name: str, version: str, cha
                                      tracking_uri=tracking_uri)
     champion_replica = fleet.start_replica(champion_bundle, champion)
     url = fleet.ensure_gateway(champion=champion_replica)
-    candidate = fleet.start_replica(bundle, version)
+    candidate, baseline = fleet.start_rollout_replicas(bundle, version, champion_replica)
     spec = RolloutSpec(model_name=model_name, candidate_version=version, champion_version=champion,
                        candidate_replicas=[candidate.url], champion_replicas=[champion_replica.url],
                        candidate_served_model=candidate.served_model,
-                       champion_served_model=champion_replica.served_model, gateway_url=url,
+                       champion_served_model=champion_replica.served_model, baseline_replicas=[baseline.url],
+                       gateway_url=url,
                        admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri, plan=plan,
                        eval_passed=eval_passed, fleet_dir=str(fleet.root))
     t = section.traffic

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from artifacts.common.workdir import resolve_tracking_uri
 from flows.environment import prepare_environment, resolve_workdir
 
 
@@ -52,7 +53,7 @@ def _ui(args: argparse.Namespace) -> int:
 
     workdir = resolve_workdir(load_recipe(args.recipe).workdir if args.recipe else None)
     prepare_environment(workdir)
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", workdir.tracking_uri(),
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", resolve_tracking_uri(workdir=workdir),
                "--host", "127.0.0.1", "--port", str(args.port)]
     print("MLflow UI on http://127.0.0.1:%d (Ctrl-C to stop)" % args.port)
     return subprocess.call(command, env=os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})

@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from artifacts.common.cli import run_cli
-from artifacts.common.workdir import resolve_workdir
+from artifacts.common.workdir import resolve_tracking_uri, resolve_workdir
 from artifacts.errors import LifecycleError
 from serving.cli import ServeError, add_serve_arguments, engine_config_from_args
 
@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = commands.add_parser(action, help=doc)
         _common(cmd)
         cmd.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the controller to act")
+        if action == "resume":
+            cmd.add_argument("--waive", default=None, metavar="GATE[,GATE]",
+                             help="go on past these inconclusive or advisory gates (recorded with your name; "
+                                  "a failed critical gate cannot be waived: use promote)")
         cmd.set_defaults(func=deploy_action, action=action)
 
     stop = commands.add_parser("stop", help="stop the local fleet (gateway, replicas, controller)")
@@ -87,7 +91,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _tracking_uri(args: argparse.Namespace) -> str:
-    return args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or resolve_workdir().tracking_uri()
+    return resolve_tracking_uri(args.tracking_uri)
 
 
 def _fleet_dir(args: argparse.Namespace) -> Path:
@@ -255,16 +259,18 @@ def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: st
                                          tracking_uri=tracking_uri)
         champion_replica = fleet.start_replica(champion_bundle, champion)
     url = _ensure_routed_champion(fleet, champion_replica)
-    candidate = fleet.start_replica(bundle, version, serve_flags=flags)
+    candidate, baseline = fleet.start_rollout_replicas(bundle, version, champion_replica, serve_flags=flags)
+    print(f"baseline for the canary steps: a fresh replica of v{champion} at {baseline.url}", flush=True)
     plan = _load_plan(args.plan)
     if args.probes:
         plan.probes = replace(plan.probes, data_dir=str(Path(args.probes).resolve()))
     spec = RolloutSpec(model_name=model_name, candidate_version=version, champion_version=champion,
                        candidate_replicas=[candidate.url], champion_replicas=[champion_replica.url],
                        candidate_served_model=candidate.served_model,
-                       champion_served_model=champion_replica.served_model, gateway_url=url,
-                       admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri, plan=plan,
-                       start="canary" if args.role == "canary" else "shadow", eval_passed=_eval_passed(bundle),
+                       champion_served_model=champion_replica.served_model, baseline_replicas=[baseline.url],
+                       gateway_url=url, admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri,
+                       plan=plan, start="canary" if args.role == "canary" else "shadow",
+                       eval_passed=_eval_passed(bundle),
                        fleet_dir=str(fleet.root))
     directory = fleet.rollouts / f"v{version}-{time.strftime('%Y%m%d-%H%M%S')}"
     controller = Controller.create(directory, spec, say=lambda line: print(line, flush=True))
@@ -372,13 +378,18 @@ def _variants(routing: dict | None) -> list[dict]:
     if routing is None:
         return []
     rows = []
-    for name in ("champion", "canary", "shadow"):
-        variant = routing[name]
+    canary_on = bool(routing["canary"]["replicas"])
+    baseline_on = canary_on and bool((routing.get("baseline") or {}).get("replicas"))
+    canary_weight = routing["canary_weight"] if canary_on else 0.0
+    baseline_weight = min(canary_weight, 100 - canary_weight) if baseline_on else 0.0
+    weights = {"champion": 100 - canary_weight - baseline_weight, "canary": canary_weight,
+               "baseline": baseline_weight, "shadow": None}
+    for name in ("champion", "canary", "baseline", "shadow"):
+        variant = routing.get(name) or {"replicas": []}
         if not variant["replicas"]:
             continue
         healthy = sum(r["healthy"] for r in routing["replicas"] if r["variant"] == name)
-        weight = (100 - routing["canary_weight"] if routing["canary"]["replicas"] else 100) if name == "champion" \
-            else (routing["canary_weight"] if name == "canary" else None)
+        weight = weights[name]
         rows.append({"variant": name, "version": variant["version"], "replicas": len(variant["replicas"]),
                      "healthy": healthy, "weight": weight,
                      "mirrored": routing["shadow_fraction"] if name == "shadow" else None})
@@ -392,8 +403,10 @@ def _rollout_summary(state, controller_alive: bool) -> dict | None:
     return {"id": state.id, "candidate": state.spec.candidate_version, "champion": state.spec.champion_version,
             "phase": state.phase, "weight": state.weight, "reason": state.reason,
             "controller": "running" if controller_alive else "not running",
+            "waivers": state.waivers,
             "last_analysis": None if last is None else {
-                "look": last["look"], "summary": last["summary"],
+                "look": last["look"], "summary": last["summary"], "traffic": last.get("traffic", []),
+                "advice": last.get("advice", ""), "waived": last.get("waived", []),
                 "gates": [{k: v[k] for k in ("gate", "outcome", "candidate", "baseline", "reason")}
                           for v in last["verdicts"]]},
             "last_decision": state.decisions[-1] if state.decisions else None, "mlflow_run": state.mlflow_run_id}
@@ -409,7 +422,9 @@ def _print_status(status: dict, state) -> None:
         table.add_column(column)
     for row in status["variants"]:
         traffic = f"{row['weight']:g}%" if row["weight"] is not None else f"mirror {row['mirrored']:.0%}"
-        table.add_row(row["variant"], f"v{row['version']}", f"{row['replicas']} ({row['healthy']})", traffic)
+        name = row["variant"] + (" (champion's snapshot, judged against the canary)" if row["variant"] == "baseline"
+                                 else "")
+        table.add_row(name, f"v{row['version']}", f"{row['replicas']} ({row['healthy']})", traffic)
     console.print(table)
     rollout = status["rollout"]
     if rollout is None:
@@ -424,9 +439,21 @@ def _print_status(status: dict, state) -> None:
         gates = Table(title=f"analysis {rollout['last_analysis']['look']}: {rollout['last_analysis']['summary'][:80]}")
         for column in ("gate", "verdict", "candidate", "baseline", "why"):
             gates.add_column(column)
+        waived = set(rollout["last_analysis"]["waived"])
         for g in rollout["last_analysis"]["gates"]:
-            gates.add_row(g["gate"], g["outcome"], _fmt(g["candidate"]), _fmt(g["baseline"]), g["reason"][:70])
+            verdict = g["outcome"] + (" (waived)" if g["gate"] in waived else "")
+            gates.add_row(g["gate"], verdict, _fmt(g["candidate"]), _fmt(g["baseline"]), g["reason"][:70])
         console.print(gates)
+        traffic = rollout["last_analysis"]["traffic"]
+        if traffic:
+            console.print("  traffic in that window: " + ", ".join(
+                f"{t['variant']} v{t['version']} {t['requests']} requests from {t['keys']} keys" for t in traffic),
+                highlight=False)
+        if rollout["last_analysis"]["advice"]:
+            console.print(f"  {rollout['last_analysis']['advice']}", highlight=False)
+    for gate, waiver in (rollout.get("waivers") or {}).items():
+        console.print(f"  waived: {gate} by {waiver['actor']} at "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(waiver['at']))}", highlight=False)
     from serving.rollout.report import timeline_lines
 
     for line in timeline_lines(state)[-6:]:
@@ -448,7 +475,18 @@ def deploy_action(args: argparse.Namespace) -> int:
     if state is None or state.terminal:
         raise ServeError(f"{root}: no rollout in progress to {args.action}")
     spec = state.spec
-    RegistryConsole(spec.model_name, spec.tracking_uri).request_action(spec.candidate_version, args.action, _actor())
+    console = RegistryConsole(spec.model_name, spec.tracking_uri)
+    waive = [g.strip() for g in (getattr(args, "waive", None) or "").split(",") if g.strip()]
+    if waive:
+        from serving.rollout.analysis import known_gates
+
+        gates = known_gates(spec.plan)
+        unknown = [g for g in waive if g not in gates]
+        if unknown:
+            raise ServeError(f"--waive: no gate named {unknown[0]!r} (gates: {', '.join(sorted(gates))})")
+        console.request_waive(spec.candidate_version, waive, _actor())  # a waiver resumes a pause by itself
+    else:
+        console.request_action(spec.candidate_version, args.action, _actor())
     fleet = LocalFleet(root, record.model_name, record.tracking_uri)
     if not pid_alive(record.controller_pid):  # the controller died (or was never started): resume it
         fleet.record.controller_pid = spawn_controller(fleet, Path(record.rollout_dir))

@@ -59,3 +59,18 @@ def resolve_workdir(explicit: str | Path | None = None) -> Workdir:
     """`explicit` (recipe or CLI) wins, then $LIFECYCLE_HOME, then `<repo>/.lifecycle`."""
     raw = explicit or os.environ.get("LIFECYCLE_HOME") or REPO_ROOT / ".lifecycle"
     return Workdir(Path(raw).expanduser().resolve())
+
+
+def resolve_tracking_uri(explicit: str | None = None, workdir: Workdir | None = None) -> str:
+    """The MLflow store every command uses: an explicit URI (a ``--tracking-uri`` flag) wins, then
+    ``$MLFLOW_TRACKING_URI``, then the pipeline's store in the workdir (``resolve_workdir()`` unless given)."""
+    return explicit or (workdir or resolve_workdir()).tracking_uri()
+
+
+def sqlite_artifact_root(tracking_uri: str, experiment: str) -> str | None:
+    """For a sqlite store, the artifact location of ``experiment`` beside the database (``mlartifacts/``);
+    MLflow's own default is ``./mlruns`` of whatever directory the command runs in. None for other stores."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    db = Path(tracking_uri[len("sqlite:///"):].split("?", 1)[0])
+    return (db.parent / "mlartifacts" / experiment).resolve().as_uri()

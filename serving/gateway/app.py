@@ -26,7 +26,7 @@ from serving.gateway.observations import ObservationStore
 from serving.gateway.proxy import Proxy, authenticate, request_id_of
 from serving.gateway.ratelimit import RateLimiter
 from serving.gateway.replicas import ReplicaPools
-from serving.gateway.routing import Fault, RoutingState, RoutingStore, Variant
+from serving.gateway.routing import VARIANT_NAMES, Fault, RoutingState, RoutingStore, Variant
 from serving.gateway.shadow import ShadowMirror
 from serving.gateway.upstream import Forwarder
 
@@ -38,7 +38,8 @@ def initial_state(config: GatewayConfig) -> RoutingState:
         return Variant(list(v.replicas), v.version, v.served_model)
 
     return RoutingState(champion=variant(config.champion), canary=variant(config.canary),
-                        shadow=variant(config.shadow), canary_weight=config.canary_weight,
+                        shadow=variant(config.shadow), baseline=variant(config.baseline),
+                        canary_weight=config.canary_weight,
                         shadow_fraction=config.shadow_mirror.fraction, model_name=config.model_name,
                         updated_by="config")
 
@@ -70,8 +71,9 @@ class Gateway:
 
     def _sync(self) -> None:
         state = self.routing.state
-        self.pools.sync({name: state.variant(name).replicas for name in ("champion", "canary", "shadow")})
+        self.pools.sync({name: state.variant(name).replicas for name in VARIANT_NAMES})
         self.metrics.canary_weight.set(state.canary_weight if state.canary.active else 0)
+        self.metrics.baseline_weight.set(state.baseline_weight)
         self.metrics.shadow_fraction.set(state.shadow_fraction if state.shadow.active else 0)
 
     @asynccontextmanager
@@ -115,7 +117,7 @@ class Gateway:
         if expected is not None and expected != current.generation:
             raise GatewayError(409, f"routing changed since generation {expected} (now {current.generation}); "
                                "read it again", "conflict_error", "generation_mismatch")
-        allowed = {"champion", "canary", "shadow", "canary_weight", "shadow_fraction", "split_salt", "model_name",
+        allowed = {*VARIANT_NAMES, "canary_weight", "shadow_fraction", "split_salt", "model_name",
                    "faults"}
         unknown = sorted(set(patch) - allowed)
         if unknown:

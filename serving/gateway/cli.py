@@ -59,9 +59,33 @@ def run_gateway(config) -> None:
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call would bury ours
+    configure_access_log(config)
     app = build_gateway_app(config)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5)
+
+
+def configure_access_log(config) -> None:
+    """Per-request lines go to ``state_dir/access.log``, rotated at ``access_log.max_bytes`` with
+    ``access_log.backups`` old files kept, and never to the process log (warnings stay there)."""
+    import logging
+    from logging.handlers import RotatingFileHandler
+
+    access = logging.getLogger("serving.gateway.access")
+    access.propagate = False
+    for handler in list(access.handlers):
+        access.removeHandler(handler)
+        handler.close()
+    settings = config.access_log
+    if not settings.enabled:
+        access.addHandler(logging.NullHandler())
+        return
+    config.state_path.mkdir(parents=True, exist_ok=True)
+    handler = RotatingFileHandler(config.state_path / "access.log", maxBytes=settings.max_bytes,
+                                  backupCount=settings.backups, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)  # its own switch is `enabled`, not the process's log_level
 
 
 def _store(path: str, create: bool):

@@ -13,7 +13,7 @@ from typing import Optional
 
 from artifacts.errors import ConfigError
 
-VARIANTS = ("champion", "canary", "shadow")
+VARIANTS = ("champion", "canary", "shadow", "baseline")
 
 
 @dataclass
@@ -72,6 +72,19 @@ class LimitsConfig:
 
 
 @dataclass
+class AccessLogConfig:
+    """One line per request, in ``state_dir/access.log``, rotated: never on the terminal, never unbounded."""
+
+    enabled: bool = True  # false: per-request lines are dropped
+    max_bytes: int = 10_000_000  # a file rotates before it would grow past this
+    backups: int = 3  # rotated files kept (access.log.1 ...); at most backups + 1 files in all
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1024 or self.backups < 1:
+            raise ValueError(f"max_bytes must be >= 1024 and backups >= 1, got {self.max_bytes} and {self.backups}")
+
+
+@dataclass
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -82,10 +95,12 @@ class GatewayConfig:
     champion: VariantConfig = field(default_factory=VariantConfig)
     canary: VariantConfig = field(default_factory=VariantConfig)
     shadow: VariantConfig = field(default_factory=VariantConfig)
+    baseline: VariantConfig = field(default_factory=VariantConfig)  # the champion's snapshot, the canary's share
     canary_weight: float = 0.0  # percent of conversations on the canary
     shadow_mirror: ShadowConfig = field(default_factory=ShadowConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
     connect_timeout_s: float = 2.0
     upstream_timeout_s: float = 600.0
     log_level: str = "info"
@@ -122,5 +137,5 @@ def _resolve(base: Path, value: str | None) -> str | None:
     return str(candidate if candidate.is_absolute() else (base / candidate).resolve())
 
 
-__all__ = ["VARIANTS", "ConfigError", "GatewayConfig", "HealthConfig", "LimitsConfig", "ShadowConfig",
-           "VariantConfig", "load_gateway_config"]
+__all__ = ["VARIANTS", "AccessLogConfig", "ConfigError", "GatewayConfig", "HealthConfig", "LimitsConfig",
+           "ShadowConfig", "VariantConfig", "load_gateway_config"]

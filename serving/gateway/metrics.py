@@ -47,6 +47,9 @@ class GatewayMetrics:
                                 ["variant", "replica"], registry=r)
         self.canary_weight = Gauge("lifecycle_gateway_canary_weight_percent",
                                    "Share of conversations routed to the canary.", registry=r)
+        self.baseline_weight = Gauge("lifecycle_gateway_baseline_weight_percent",
+                                     "Share of conversations routed to the baseline (the champion's snapshot on "
+                                     "fresh replicas, judged against the canary).", registry=r)
         self.shadow_fraction = Gauge("lifecycle_gateway_shadow_fraction",
                                      "Share of champion requests mirrored to the shadow.", registry=r)
         self.in_flight = Gauge("lifecycle_gateway_requests_in_flight", "Requests being answered.", ["variant"],

@@ -22,7 +22,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL, request_id TEXT, variant TEXT, version TEXT, replica TEXT, status INTEGER, error TEXT,
     ttft_ms REAL, itl_ms REAL, e2e_ms REAL, prompt_tokens INTEGER, completion_tokens INTEGER,
-    stream INTEGER, probe INTEGER, fallback_to TEXT
+    stream INTEGER, probe INTEGER, fallback_to TEXT, conversation TEXT
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE TABLE IF NOT EXISTS pairs (
@@ -55,6 +55,7 @@ class RequestRecord:
     stream: bool = False
     probe: bool = False
     fallback_to: str | None = None  # the variant that answered instead, when this attempt failed
+    conversation: str | None = None  # a short hash of the sticky key: how many users a variant saw
 
 
 @dataclass
@@ -92,6 +93,9 @@ class ObservationStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as conn:
             conn.executescript(_SCHEMA)
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
+            if "conversation" not in columns:  # a store written before keys were counted
+                conn.execute("ALTER TABLE requests ADD COLUMN conversation TEXT")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write_loop, name="observations-writer", daemon=True)
         self._thread.start()
@@ -161,17 +165,19 @@ class ObservationStore:
     def _variants(conn: sqlite3.Connection, since: float, until: float) -> list[dict[str, Any]]:
         out = []
         groups = conn.execute("SELECT variant, version, COUNT(*), SUM(status >= 500), SUM(status = 429), "
-                              "SUM(fallback_to IS NOT NULL), SUM(COALESCE(completion_tokens, 0)) FROM requests "
+                              "SUM(fallback_to IS NOT NULL), SUM(COALESCE(completion_tokens, 0)), "
+                              "COUNT(DISTINCT conversation) FROM requests "
                               "WHERE ts >= ? AND ts < ? AND probe = 0 GROUP BY variant, version",
                               (since, until)).fetchall()
-        for variant, version, n, n5xx, n429, fallbacks, tokens in groups:
+        for variant, version, n, n5xx, n429, fallbacks, tokens, keys in groups:
             def samples(column: str, variant: str = variant, version: str = version) -> list[float]:
                 rows = conn.execute(f"SELECT {column} FROM requests WHERE ts >= ? AND ts < ? AND probe = 0 AND "
                                     f"variant = ? AND version = ? AND status = 200 AND ({column}) IS NOT NULL "
                                     f"ORDER BY ts DESC LIMIT ?", (since, until, variant, version, MAX_SAMPLES))
                 return [r[0] for r in rows]
 
-            out.append({"variant": variant, "version": version, "requests": n, "status_5xx": n5xx or 0,
+            out.append({"variant": variant, "version": version, "requests": n, "keys": keys or 0,
+                        "status_5xx": n5xx or 0,
                         "status_429": n429 or 0, "fallbacks": fallbacks or 0, "completion_tokens": tokens or 0,
                         "ttft_ms": samples("ttft_ms"), "itl_ms": samples("itl_ms"), "e2e_ms": samples("e2e_ms"),
                         # end to end per output token: comparable between a stream and a mirrored plain request

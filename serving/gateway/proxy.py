@@ -8,6 +8,7 @@ critical path (the observation store writes from its own thread).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import re
@@ -28,12 +29,13 @@ from serving.gateway.keys import ApiKey, KeyStore
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.observations import ObservationStore, RequestRecord
 from serving.gateway.ratelimit import RateLimited, RateLimiter, Reservation, estimate_prompt_tokens
-from serving.gateway.routing import RoutingStore, choose_variant
+from serving.gateway.routing import VARIANT_NAMES, RoutingStore, choose_variant
 from serving.gateway.shadow import Mirror, ShadowMirror
 from serving.gateway.sse import EventSplitter, StreamReading, read_event, response_text
 from serving.gateway.upstream import Attempt, Forwarder, NoReplicaAvailable
 
 log = logging.getLogger("serving.gateway")
+access_log = logging.getLogger("serving.gateway.access")  # one line per request; the gateway CLI rotates it
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 PIN_HEADER = "x-lifecycle-variant"  # admin only: send this request to one variant, no fallback
@@ -56,6 +58,7 @@ class RequestContext:
     probe: bool
     pinned: bool = False
     mirror: Mirror | None = None
+    conversation: str | None = None  # short hash of the sticky key, for counting users per variant
 
 
 def request_id_of(request: Request) -> str:
@@ -83,6 +86,51 @@ def authenticate(request: Request, keys: KeyStore | None, *, admin: bool = False
     if admin and not key.admin:
         raise GatewayError(403, f"key {key.name!r} is not an admin key", "permission_error", "not_admin")
     return key
+
+
+def conversation_key(request: Request, key: ApiKey, body: dict) -> str | None:
+    """What the sticky split keys on: ``X-Session-Id``, else the request's ``user``, else the API key."""
+    conversation = request.headers.get(SESSION_HEADER) or body.get("user") or (
+        key.name if key is not OPEN_KEY else None)
+    return None if conversation is None else str(conversation)
+
+
+def _short_hash(text: str) -> str:
+    """Observations keep users apart without keeping who they are."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_fields(body: dict, path: str) -> None:
+    """Refuse, with the 400 our server would answer, a field the gateway itself reads (``stream_options``,
+    chat content parts) when it has the wrong shape: before any budget or replica is spent on it."""
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise GatewayError(400, "stream_options: must be an object", param="stream_options")
+    if "chat" not in path or body.get("messages") is None:
+        return
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise GatewayError(400, "messages: must be an array of messages", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise GatewayError(400, f"messages.{i}: a message must be an object", param=f"messages.{i}")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise GatewayError(400, f"messages.{i}.content: must be a string or an array of content parts",
+                               param=f"messages.{i}.content")
+        for j, part in enumerate(content):
+            where = f"messages.{i}.content.{j}"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise GatewayError(400, f"{where}: a content part must be an object with a string `type`",
+                                   param=where)
+            text = part.get("text")
+            if text is not None and not isinstance(text, str):
+                raise GatewayError(400, f"{where}.text: must be a string, got {orjson.dumps(text).decode()[:40]}",
+                                   param=f"{where}.text")
+            if part["type"] == "text" and text is None:
+                raise GatewayError(400, f"{where}.text: a text part needs a string `text`", param=f"{where}.text")
 
 
 def _max_tokens(body: dict, path: str, default_chat: int) -> int:
@@ -127,24 +175,28 @@ class Proxy:
             ctx = self._admit(request, key, path, body, request_id, wall_start, perf_start)
         except GatewayError as exc:
             self.metrics.rejected.labels(_reject_reason(exc)).inc()
-            log.info("%s %s -> %d %s", request_id, path, exc.status, exc.message)
+            access_log.info("%s %s -> %d %s", request_id, path, exc.status, exc.message)
             return exc.response(request_id)
-        order, pinned = self._route(request, key, body)
+        conversation = conversation_key(request, key, body)
+        ctx.conversation = None if conversation is None else _short_hash(conversation)
+        order, pinned = self._route(request, conversation)
         ctx.pinned = pinned
         if order[0] == "champion" and not pinned and not ctx.probe:
             self._maybe_mirror(ctx)
         self.metrics.in_flight.labels(order[0]).inc()
         try:
             attempt = await self.forwarder.open(request_id, path, body, order, wall_start, stream=ctx.stream,
-                                                probe=ctx.probe)
+                                                probe=ctx.probe, conversation=ctx.conversation)
         except NoReplicaAvailable as exc:
             self.metrics.in_flight.labels(order[0]).dec()
             self._settle(ctx, None)
+            error = _no_replica_error(exc)
             if ctx.mirror is not None:
-                ctx.mirror.primary_done("", 503, 0.0)
-            log.warning("%s %s -> 503 no replica (%s)", request_id, path, exc)
-            return GatewayError(503, f"no replica could take the request ({exc})", "service_unavailable",
-                                headers={"retry-after": "1"}).response(request_id)
+                ctx.mirror.primary_done("", error.status, 0.0)
+            access_log.info("%s %s key=%s -> %d %s", request_id, path, key.name, error.status, exc)
+            if error.status != 429:  # a busy fleet is load, not a fault
+                log.warning("%s %s -> 503 no replica (%s)", request_id, path, exc)
+            return error.response(request_id)
         self.metrics.in_flight.labels(order[0]).dec()
         self.forwarder.record_failures(attempt)
         headers = {"x-request-id": request_id, "x-lifecycle-variant": attempt.variant,
@@ -170,6 +222,7 @@ class Proxy:
         if model is not None and model != public:
             raise GatewayError(404, f"The model `{model}` does not exist.", "invalid_request_error",
                                "model_not_found", "model")
+        check_fields(body, path)
         stream = body.get("stream") is True
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if isinstance(
             body.get("stream_options"), dict) else False
@@ -194,16 +247,13 @@ class Proxy:
         return RequestContext(request_id, key, path, body, stream, wants_usage, wall_start, perf_start,
                               reservation, probe)
 
-    def _route(self, request: Request, key: ApiKey, body: dict) -> tuple[list[str], bool]:
+    def _route(self, request: Request, conversation: str | None) -> tuple[list[str], bool]:
         pinned = request.headers.get(PIN_HEADER)
         if pinned:
-            if pinned not in ("champion", "canary", "shadow"):
+            if pinned not in VARIANT_NAMES:
                 pinned = "champion"
             return [pinned], True
-        conversation = request.headers.get(SESSION_HEADER) or body.get("user") or (
-            key.name if key is not OPEN_KEY else None)
-        variant = choose_variant(self.routing.state, str(conversation) if conversation is not None else None,
-                                 self.rng)
+        variant = choose_variant(self.routing.state, conversation, self.rng)
         return ([variant] if variant == "champion" else [variant, "champion"]), False
 
     def _maybe_mirror(self, ctx: RequestContext) -> None:
@@ -326,7 +376,8 @@ class Proxy:
         order = [broken.variant] if broken.variant == "champion" else [broken.variant, "champion"]
         try:
             attempt = await self.forwarder.open(ctx.request_id, ctx.path, body, order, ctx.wall_start, stream=True,
-                                                probe=ctx.probe, exclude=frozenset({broken.replica.url}))
+                                                probe=ctx.probe, exclude=frozenset({broken.replica.url}),
+                                                conversation=ctx.conversation)
         except NoReplicaAvailable:
             return None
         if attempt.status != 200:
@@ -340,7 +391,7 @@ class Proxy:
         self.store.add(RequestRecord(ts=ctx.wall_start, request_id=ctx.request_id, variant=attempt.variant,
                                      version=attempt.version, replica=attempt.replica.url, status=599, error=reason,
                                      e2e_ms=(time.perf_counter() - ctx.perf_start) * 1000, stream=True,
-                                     probe=ctx.probe, fallback_to=nxt.variant))
+                                     probe=ctx.probe, fallback_to=nxt.variant, conversation=ctx.conversation))
         self.metrics.requests.labels(attempt.variant, attempt.version, "599").inc()
         self.metrics.fallbacks.labels(attempt.variant, nxt.variant).inc()
         log.warning("%s stream broke on %s (%s): continued on %s %s", ctx.request_id, attempt.replica.url,
@@ -370,12 +421,13 @@ class Proxy:
             replica=attempt.replica.url, status=status, error=error,
             ttft_ms=ttft_s * 1000 if ttft_s is not None else None,
             itl_ms=(sum(gaps) / len(gaps) * 1000) if gaps else None, e2e_ms=e2e * 1000,
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, stream=ctx.stream, probe=ctx.probe))
+            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, stream=ctx.stream, probe=ctx.probe,
+            conversation=ctx.conversation))
         self._settle(ctx, usage)
         if ctx.mirror is not None:
             ctx.mirror.primary_done(text or "", status, e2e * 1000)
-        log.info("%s %s key=%s variant=%s v%s -> %d in %.0f ms", ctx.request_id, ctx.path, ctx.key.name, variant,
-                 attempt.version or "?", status, e2e * 1000)
+        access_log.info("%s %s key=%s variant=%s v%s -> %d in %.0f ms", ctx.request_id, ctx.path, ctx.key.name,
+                        variant, attempt.version or "?", status, e2e * 1000)
 
     def _settle(self, ctx: RequestContext, usage: dict | None) -> None:
         if ctx.reservation is None:
@@ -413,6 +465,16 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _no_replica_error(exc: NoReplicaAvailable) -> GatewayError:
+    """429 when every replica that answered was busy (their Retry-After, else 1 s); else 503."""
+    if exc.all_rate_limited:
+        retry_after = exc.retry_after or "1"
+        return GatewayError(429, f"every replica is busy ({exc}); retry after {retry_after} s", "rate_limit_error",
+                            "replicas_busy", headers={"retry-after": retry_after})
+    return GatewayError(503, f"no replica could take the request ({exc})", "service_unavailable",
+                        headers={"retry-after": "1"})
 
 
 def _reject_reason(exc: GatewayError) -> str:

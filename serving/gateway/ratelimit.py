@@ -102,7 +102,10 @@ class RateLimiter:
 
 
 def estimate_prompt_tokens(body: dict) -> int:
-    """A tokenizer-free estimate (about 4 characters per token, as OpenAI documents for English)."""
+    """A tokenizer-free estimate (about 4 characters per token, as OpenAI documents for English).
+
+    Total over any JSON shape: a field of the wrong type counts as nothing here (the request is validated
+    elsewhere), so a malformed body can never make the estimate raise."""
     chars = 0
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -115,10 +118,12 @@ def estimate_prompt_tokens(body: dict) -> int:
                 chars += 4
             elif isinstance(item, list):
                 chars += 4 * len(item)
-    for message in body.get("messages") or []:
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
             chars += len(content) + 16
         elif isinstance(content, list):
-            chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict)) + 16
+            chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            chars += 16
     return max(1, math.ceil(chars / 4))

@@ -6,6 +6,13 @@ salted per rollout (``split_salt``), so each rollout samples different users, bu
 key keeps its bucket: one conversation never flips between models, and raising the weight from w1 to
 w2 moves exactly the keys whose bucket lies in [w1, w2) — nobody already on the canary comes back.
 
+Baseline: while a ``baseline`` variant is routed (a fresh replica of the champion's snapshot, started with
+the canary), it takes the same share as the canary from the *top* of the bucket range, so the canary is
+judged against a replica of equal standing (same age, same traffic share) rather than against the
+long-running champion pool (Kayenta's and Argo's Experiments' rule). Keys move only between the champion
+pool and the baseline, which serve the same snapshot, so no conversation ever sees its model change. Above
+50% the baseline takes what is left (``100 - canary_weight``).
+
 The state is persisted with an atomic write on every change, with a generation number so two writers
 (a person and the controller) cannot silently overwrite each other (the admin API checks it).
 """
@@ -25,6 +32,7 @@ from artifacts.errors import ConfigError
 
 BUCKETS = 10_000
 STATE_FILE = "routing.json"
+VARIANT_NAMES = ("champion", "canary", "shadow", "baseline")
 
 
 @dataclass
@@ -59,6 +67,7 @@ class RoutingState:
     champion: Variant = field(default_factory=Variant)
     canary: Variant = field(default_factory=Variant)
     shadow: Variant = field(default_factory=Variant)
+    baseline: Variant = field(default_factory=Variant)  # the champion's snapshot on fresh replicas, canary's share
     canary_weight: float = 0.0  # percent of conversations
     shadow_fraction: float = 0.0  # share of champion requests mirrored
     split_salt: str = "default"
@@ -69,9 +78,16 @@ class RoutingState:
     updated_by: str = ""
 
     def variant(self, name: str) -> Variant:
-        if name not in ("champion", "canary", "shadow"):
+        if name not in VARIANT_NAMES:
             raise KeyError(name)
         return getattr(self, name)
+
+    @property
+    def baseline_weight(self) -> float:
+        """The baseline's share: the canary's, or what the canary leaves above 50%."""
+        if not (self.baseline.active and self.canary.active):
+            return 0.0
+        return min(self.canary_weight, 100.0 - self.canary_weight)
 
     @property
     def public_model(self) -> str:
@@ -82,12 +98,12 @@ class RoutingState:
             raise ValueError(f"canary_weight: must be in [0, 100], got {self.canary_weight}")
         if not 0.0 <= self.shadow_fraction <= 1.0:
             raise ValueError(f"shadow_fraction: must be in [0, 1], got {self.shadow_fraction}")
-        for name in ("champion", "canary", "shadow"):
+        for name in VARIANT_NAMES:
             for url in self.variant(name).replicas:
                 if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                     raise ValueError(f"{name}.replicas: {url!r} is not an http(s) URL")
         for name in self.faults:
-            if name not in ("champion", "canary", "shadow"):
+            if name not in VARIANT_NAMES:
                 raise ValueError(f"faults: unknown variant {name!r}")
 
     def to_json(self) -> dict[str, Any]:
@@ -97,13 +113,13 @@ class RoutingState:
     def from_json(cls, data: dict[str, Any]) -> RoutingState:
         data = dict(data)
         try:
-            for name in ("champion", "canary", "shadow"):
+            for name in VARIANT_NAMES:
                 data[name] = Variant(**(data.get(name) or {}))
             data["faults"] = {k: Fault(**v) for k, v in (data.get("faults") or {}).items()}
             state = cls(**data)
         except TypeError as exc:
             raise ValueError(f"routing state: {exc}") from None
-        for name in ("champion", "canary", "shadow"):
+        for name in VARIANT_NAMES:
             state.variant(name).replicas = [u.rstrip("/") for u in state.variant(name).replicas]
         state.validate()
         return state
@@ -115,14 +131,18 @@ def bucket_of(salt: str, key: str) -> int:
 
 
 def choose_variant(state: RoutingState, conversation_key: str | None, rng: random.Random | None = None) -> str:
-    """``"canary"`` or ``"champion"`` for one request; sticky when a conversation key is known."""
+    """``"canary"``, ``"baseline"`` or ``"champion"`` for one request; sticky when a conversation key is known."""
     if not state.canary.active or state.canary_weight <= 0:
         return "champion"
-    threshold = round(state.canary_weight * BUCKETS / 100)
+    canary_below = round(state.canary_weight * BUCKETS / 100)
+    baseline_from = BUCKETS - round(state.baseline_weight * BUCKETS / 100)
     if conversation_key is None:
-        draw = (rng or random).random() * BUCKETS
-        return "canary" if draw < threshold else "champion"
-    return "canary" if bucket_of(state.split_salt, conversation_key) < threshold else "champion"
+        bucket = (rng or random).random() * BUCKETS
+    else:
+        bucket = bucket_of(state.split_salt, conversation_key)
+    if bucket < canary_below:
+        return "canary"
+    return "baseline" if bucket >= baseline_from else "champion"
 
 
 class RoutingStore:

@@ -6,7 +6,9 @@ stream (httpx's pure-Python h11 parser and per-read timeout scopes cost ~30% of 
 Order of attempts: each healthy replica of the chosen variant (least loaded first), then, for a canary
 request, the champion's. An attempt fails when the replica cannot be reached, or answers 5xx or 429
 before sending anything; the failure is recorded against that replica's variant (it is the canary's
-evidence) and the next attempt starts. A 4xx other than 429 is the client's and is passed through.
+evidence) and the next attempt starts. A 4xx other than 429 is the client's and is passed through. When the
+attempts run out and every replica that answered said 429, the fleet is busy, not broken: the client gets a
+429 with the replicas' ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,16 @@ RETRYABLE = frozenset({429, 500, 502, 503, 504})
 
 
 class NoReplicaAvailable(Exception):
-    """Every replica of every variant in the order failed or is ejected."""
+    """Every replica of every variant in the order failed or is ejected.
+
+    ``all_rate_limited``: at least one replica answered 429 (its queue is full) and none answered 5xx (one
+    that could not be reached did not answer), so the fleet is busy rather than broken and the client gets a
+    429; ``retry_after`` is the soonest ``Retry-After`` those replicas sent (None when they sent none)."""
+
+    def __init__(self, reason: str, *, all_rate_limited: bool = False, retry_after: str | None = None) -> None:
+        super().__init__(reason)
+        self.all_rate_limited = all_rate_limited
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -74,8 +85,10 @@ class Forwarder:
         return orjson.dumps({**body, "model": served} if served else body)
 
     async def open(self, request_id: str, path: str, body: dict, order: list[str], wall_start: float,
-                   *, stream: bool, probe: bool, exclude: frozenset[str] = frozenset()) -> Attempt:
+                   *, stream: bool, probe: bool, exclude: frozenset[str] = frozenset(),
+                   conversation: str | None = None) -> Attempt:
         failed: list[RequestRecord] = []
+        retry_afters: list[str] = []
         last_reason = "no healthy replica"
         for variant in order:
             state = self.routing.state
@@ -89,7 +102,7 @@ class Forwarder:
                     await asyncio.sleep(fault.delay_ms / 1000)
                 if fault is not None and self.rng.random() * 100 < fault.abort_percent:
                     failed.append(self._failure(request_id, variant, version, replica, 503, "injected fault",
-                                                wall_start, stream, probe))
+                                                wall_start, stream, probe, conversation))
                     last_reason = f"{variant}: injected fault"
                     continue
                 replica.in_flight += 1
@@ -101,7 +114,7 @@ class Forwarder:
                     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                     self.pools.failed(replica, reason)
                     failed.append(self._failure(request_id, variant, version, replica, 599, reason, wall_start,
-                                                stream, probe))
+                                                stream, probe, conversation))
                     last_reason = f"{variant} {replica.url}: {reason}"
                     continue
                 if response.status in RETRYABLE:
@@ -113,8 +126,10 @@ class Forwarder:
                     replica.in_flight -= 1
                     if response.status != 429:
                         self.pools.failed(replica, f"HTTP {response.status}")
+                    elif response.headers.get("retry-after"):
+                        retry_afters.append(response.headers["retry-after"])
                     failed.append(self._failure(request_id, variant, version, replica, response.status, text,
-                                                wall_start, stream, probe))
+                                                wall_start, stream, probe, conversation))
                     last_reason = f"{variant} {replica.url}: HTTP {response.status}"
                     continue
                 self.pools.succeeded(replica)
@@ -125,17 +140,27 @@ class Forwarder:
         for record in failed:
             self.store.add(record)
             self.metrics.requests.labels(record.variant, record.version, str(record.status)).inc()
-        raise NoReplicaAvailable(last_reason)
+        busy = any(r.status == 429 for r in failed) and not any(500 <= r.status < 599 for r in failed)
+        raise NoReplicaAvailable(last_reason, all_rate_limited=busy, retry_after=_soonest(retry_afters))
 
     @staticmethod
     def _failure(request_id: str, variant: str, version: str, replica: Replica, status: int, error: str,
-                 wall_start: float, stream: bool, probe: bool) -> RequestRecord:
+                 wall_start: float, stream: bool, probe: bool, conversation: str | None = None) -> RequestRecord:
         return RequestRecord(ts=wall_start, request_id=request_id, variant=variant, version=version,
                              replica=replica.url, status=status, error=error,
-                             e2e_ms=(time.time() - wall_start) * 1000, stream=stream, probe=probe)
+                             e2e_ms=(time.time() - wall_start) * 1000, stream=stream, probe=probe,
+                             conversation=conversation)
 
     def record_failures(self, attempt: Attempt) -> None:
         """Store the attempts that failed before ``attempt`` answered (the canary's errors, say)."""
         for record in attempt.failed_before:
             self.store.add(record)
             self.metrics.requests.labels(record.variant, record.version, str(record.status)).inc()
+
+
+def _soonest(retry_afters: list[str]) -> str | None:
+    """The smallest ``Retry-After`` in seconds; an HTTP-date one is passed on as sent when no other is given."""
+    seconds = [int(v) for v in (v.strip() for v in retry_afters) if v.isdigit()]
+    if seconds:
+        return str(min(seconds))
+    return retry_afters[0].strip() if retry_afters else None

@@ -1,8 +1,10 @@
 """Turn what the gateway saw (and the probes, and the eval record) into gate verdicts for one phase.
 
 The candidate is always judged against the champion over the *same* window: in shadow, the champion's
-answers to the very requests mirrored to the candidate; in a canary step, the champion's share of the
-same minutes of traffic. Agreement is judged against the noise floor (champion mirrored to itself).
+answers to the very requests mirrored to the candidate; in a canary step, a *baseline*: a fresh replica of
+the champion's snapshot, started with the canary and given the same share of the same minutes of traffic
+(never the long-running champion pool, whose age, load and batch sizes differ). Agreement is judged against
+the noise floor (champion mirrored to itself).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 from serving.rollout import judge
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS, Verdict
-from serving.rollout.plan import CanaryStep, Gates, RolloutPlan
+from serving.rollout.plan import Gates, RolloutPlan
 
 
 @dataclass
@@ -25,23 +27,32 @@ class Analysis:
     verdicts: list[Verdict]
     metrics: dict[str, float] = field(default_factory=dict)
     disagreements: list[dict[str, Any]] = field(default_factory=list)
+    traffic: list[dict[str, Any]] = field(default_factory=list)  # per variant: requests and conversation keys
+    advice: str = ""  # when too little traffic: what was seen and what would make the step conclusive
+    waived: list[str] = field(default_factory=list)  # gates a person waived: shown, but not deciding
+
+    def _deciding(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.gate not in self.waived or (v.outcome == FAIL and v.critical)]
 
     @property
     def outcome(self) -> str:
-        """fail (a critical gate failed) | review (only an advisory gate failed) | inconclusive | pass."""
-        if any(v.outcome == FAIL and v.critical for v in self.verdicts):
+        """fail (a critical gate failed) | review (only an advisory gate failed) | inconclusive | pass.
+
+        A waived gate does not decide, except a failed critical gate: no waiver turns that into a pass."""
+        deciding = self._deciding()
+        if any(v.outcome == FAIL and v.critical for v in deciding):
             return FAIL
-        if any(v.outcome == FAIL for v in self.verdicts):
+        if any(v.outcome == FAIL for v in deciding):
             return "review"
-        if any(v.outcome == INCONCLUSIVE for v in self.verdicts):
+        if any(v.outcome == INCONCLUSIVE for v in deciding):
             return INCONCLUSIVE
         return PASS
 
     def failed(self) -> list[Verdict]:
-        return [v for v in self.verdicts if v.outcome == FAIL]
+        return [v for v in self._deciding() if v.outcome == FAIL]
 
     def inconclusive(self) -> list[Verdict]:
-        return [v for v in self.verdicts if v.outcome == INCONCLUSIVE]
+        return [v for v in self._deciding() if v.outcome == INCONCLUSIVE]
 
     @property
     def summary(self) -> str:
@@ -49,8 +60,11 @@ class Analysis:
         if self.outcome in (FAIL, "review"):
             return "fail: " + "; ".join(f"{v.gate} ({v.reason})" for v in self.failed())
         if self.outcome == INCONCLUSIVE:
-            return "inconclusive: " + "; ".join(f"{v.gate} ({v.reason})" for v in self.inconclusive())
-        return f"pass {passed}/{len(self.verdicts)}"
+            text = "inconclusive: " + "; ".join(f"{v.gate} ({v.reason})" for v in self.inconclusive())
+            return text + (f"; {self.advice}" if self.advice else "")
+        waived = [v for v in self.verdicts if v.gate in self.waived and v.outcome != PASS]
+        return f"pass {passed}/{len(self.verdicts)}" + (f" ({len(waived)} waived: "
+                                                        f"{', '.join(v.gate for v in waived)})" if waived else "")
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -58,12 +72,20 @@ class Analysis:
         data["summary"] = self.summary
         return data
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Analysis:
+        """An analysis as the state file keeps it (to judge it again under a waiver given later)."""
+        verdicts = [Verdict(**v) for v in data["verdicts"]]
+        return cls(data["look"], data["phase"], data["weight"], data["since"], data["until"], verdicts,
+                   data.get("metrics", {}), data.get("disagreements", []), data.get("traffic", []),
+                   data.get("advice", ""), list(data.get("waived", [])))
+
 
 def _variant(window: dict, name: str, version: str) -> dict[str, Any]:
     for row in window.get("variants", []):
         if row["variant"] == name and str(row["version"]) == str(version):
             return row
-    return {"requests": 0, "status_5xx": 0, "status_429": 0, "fallbacks": 0, "completion_tokens": 0,
+    return {"requests": 0, "keys": 0, "status_5xx": 0, "status_429": 0, "fallbacks": 0, "completion_tokens": 0,
             "ttft_ms": [], "itl_ms": [], "e2e_ms": [], "ms_per_token": []}
 
 
@@ -79,8 +101,10 @@ def pair_counts(window: dict, primary_version: str, shadow_version: str) -> dict
 
 def systems_verdicts(window: dict, candidate: tuple[str, str], champion: tuple[str, str], gates: Gates,
                      alpha: float, min_requests: int, streamed: bool) -> list[Verdict]:
-    """Errors, rate limiting and latency of the candidate's variant against the champion's."""
+    """Errors, rate limiting and latency of the candidate's variant against ``champion``: the baseline replica
+    in a canary step (or the champion pool where no baseline runs), the champion's same requests in shadow."""
     cand, champ = _variant(window, *candidate), _variant(window, *champion)
+    against = champion[0]
     verdicts = [
         judge.rate_gate("error_rate", cand["status_5xx"], cand["requests"], champ["status_5xx"], champ["requests"],
                         margin=gates.max_error_rate_increase, alpha=alpha, min_samples=min_requests,
@@ -90,14 +114,55 @@ def systems_verdicts(window: dict, candidate: tuple[str, str], champion: tuple[s
                         min_samples=min_requests, label="429 rate"),
     ]
     if streamed:
-        verdicts.append(judge.latency_gate("ttft_p95_ratio", cand["ttft_ms"], champ["ttft_ms"],
-                                           max_ratio=gates.max_ttft_p95_ratio, alpha=alpha, min_samples=min_requests))
-        verdicts.append(judge.latency_gate("itl_p95_ratio", cand["itl_ms"], champ["itl_ms"],
-                                           max_ratio=gates.max_itl_p95_ratio, alpha=alpha, min_samples=min_requests))
+        verdicts.append(judge.shift_gate("ttft_ratio", cand["ttft_ms"], champ["ttft_ms"],
+                                         max_ratio=gates.max_ttft_ratio, alpha=alpha, min_samples=min_requests,
+                                         against=against))
+        verdicts.append(judge.shift_gate("itl_ratio", cand["itl_ms"], champ["itl_ms"],
+                                         max_ratio=gates.max_itl_ratio, alpha=alpha, min_samples=min_requests,
+                                         against=against))
     else:
         verdicts.append(judge.latency_gate("ms_per_token_p95_ratio", cand["ms_per_token"], champ["ms_per_token"],
-                                           max_ratio=gates.max_e2e_p95_ratio, alpha=alpha, min_samples=min_requests))
+                                           max_ratio=gates.max_ms_per_token_p95_ratio, alpha=alpha,
+                                           min_samples=min_requests))
     return verdicts
+
+
+def traffic_rows(window: dict) -> list[dict[str, Any]]:
+    """Requests and distinct conversation keys per variant in the window (probes excluded)."""
+    return [{"variant": r["variant"], "version": str(r["version"]), "requests": int(r["requests"]),
+             "keys": int(r.get("keys") or 0)} for r in window.get("variants", [])]
+
+
+def traffic_advice(window: dict, compared: tuple[str, str], weight: float, seconds: float, min_requests: int) -> str:
+    """Why a step had too few samples, in numbers, and what would make it conclusive.
+
+    ``compared`` names the two variants judged side by side (candidate and baseline, or shadow and champion);
+    the step's share is ``weight`` percent of conversations for each (0 for a mirrored phase).
+    """
+    rows = {r["variant"]: r for r in traffic_rows(window)}
+    counts = [rows.get(name, {"requests": 0, "keys": 0}) for name in compared]
+    short = min(c["requests"] for c in counts)
+    if short >= min_requests:
+        return ""
+    seconds = max(seconds, 1e-9)
+    total_requests = sum(r["requests"] for r in rows.values())
+    total_keys = sum(r["keys"] for r in rows.values())
+    seen = ", ".join(f"{name} {c['requests']} requests from {c['keys']} keys" for name, c in zip(compared, counts))
+    text = f"traffic in {seconds:.0f} s: {seen} (need {min_requests} each; {total_requests} requests from " \
+           f"{total_keys} keys in all)"
+    if total_requests == 0:
+        return text + "; no request reached the gateway in the window: send traffic, then resume"
+    ways = []
+    if short > 0:
+        ways.append(f"a step of ≥ {seconds * min_requests / short:.0f} s at this rate")
+    if weight > 0:
+        needed = 100 * min_requests / total_requests  # the share that would have had enough in this window
+        if needed <= 50:
+            ways.append(f"a weight ≥ {max(needed, weight):.0f}%")
+        expected = total_keys * weight / 100
+        if expected < 10:
+            ways.append(f"more users (at {weight:g}% about {expected:.1f} of {total_keys} keys land on each side)")
+    return text + ("; conclusive with " + ", or ".join(ways) if ways else "")
 
 
 def agreement_verdict(window: dict, champion_version: str, candidate_version: str, floor: dict | None,
@@ -110,6 +175,19 @@ def agreement_verdict(window: dict, champion_version: str, candidate_version: st
                            floor["compared"] - floor["agree"], floor["compared"], margin=gates.max_agreement_drop,
                            alpha=alpha, min_samples=min_pairs, critical=gates.agreement_critical,
                            label="disagreement")
+
+
+def more_time_helps(verdict: Verdict) -> bool:
+    """Whether a longer window could settle an inconclusive verdict: not for a fact such as a missing eval
+    record, or an agreement gate without a noise floor to compare with."""
+    return verdict.threshold != "passed"
+
+
+def known_gates(plan: RolloutPlan) -> set[str]:
+    """Every gate name a rollout under ``plan`` can judge (what a waiver may name)."""
+    return {"noise_floor", "error_rate", "rate_limited", "ttft_ratio", "itl_ratio", "ms_per_token_p95_ratio",
+            "agreement", "eval_record", "probe_accuracy", "probe_format", "probe_refusal", "probe_over_refusal",
+            *(gate for gate, *_ in OFFLINE_METRICS.values())}
 
 
 def is_behaviour_gate(gate: str) -> bool:
@@ -192,17 +270,24 @@ def eval_record_verdict(passed: bool | None, gates: Gates) -> Verdict | None:
 
 def metrics_of(analysis_verdicts: list[Verdict], window: dict, candidate: tuple[str, str],
                champion: tuple[str, str], weight: float) -> dict[str, float]:
-    """Flat numbers for MLflow (one step per analysis) and the comparison plot."""
+    """Flat numbers for MLflow (one step per analysis) and the comparison plot; ``champion`` is the side the
+    candidate was judged against (the baseline replica in a canary step), logged under its own name."""
     cand, champ = _variant(window, *candidate), _variant(window, *champion)
-    out: dict[str, float] = {"canary_weight": weight,
-                             "candidate.requests": cand["requests"], "champion.requests": champ["requests"]}
-    for row, prefix in ((cand, "candidate"), (champ, "champion")):
+    side = "baseline" if champion[0] == "baseline" else "champion"
+    out: dict[str, float] = {"canary_weight": weight, "candidate.requests": cand["requests"],
+                             f"{side}.requests": champ["requests"], "candidate.keys": cand["keys"],
+                             f"{side}.keys": champ["keys"]}
+    if side == "baseline":
+        pool = _variant(window, "champion", champion[1])
+        out["champion_pool.requests"] = pool["requests"]
+    for row, prefix in ((cand, "candidate"), (champ, side)):
         if row["requests"]:
             out[f"{prefix}.error_rate"] = row["status_5xx"] / row["requests"]
         for name in ("ttft_ms", "itl_ms", "ms_per_token"):
-            p95 = judge.quantile(row[name], 0.95)
-            if p95 is not None:
-                out[f"{prefix}.{name}_p95"] = p95
+            for q in (0.5, 0.95):
+                value = judge.quantile(row[name], q)
+                if value is not None:
+                    out[f"{prefix}.{name}_p{round(q * 100)}"] = value
     for v in analysis_verdicts:
         if v.candidate is not None:
             out[f"gate.{v.gate}"] = v.candidate
@@ -215,6 +300,3 @@ def metrics_of(analysis_verdicts: list[Verdict], window: dict, candidate: tuple[
 def planned_alpha(plan: RolloutPlan) -> float:
     return judge.per_look_alpha(plan.gates.alpha, plan.planned_looks + plan.max_extensions)
 
-
-def step_min(step: CanaryStep | None, plan: RolloutPlan) -> int:
-    return step.min_requests if step is not None else plan.shadow_min_pairs

@@ -154,6 +154,8 @@ class Controller:
         elif champion != spec.champion_version:
             self._rollback(f"champion alias moved by hand to v{champion}", "a person (MLflow UI)")
             return True
+        if self._waivers():
+            return True
         request = self.console.read_action(spec.candidate_version)
         if request is None:
             return False
@@ -175,6 +177,41 @@ class Controller:
                          f"{action} has no effect in phase {self.state.phase}", actor)
             return False
         return True
+
+    def _waivers(self) -> bool:
+        """A person waived gates (``rollout.waive`` tag, or ``deploy resume --waive``): record who and when,
+        tag the version, and go on from a pause or an approval wait. True when the phase changed."""
+        from serving.rollout.registry_console import ACTOR_TAG, WAIVE_TAG, WAIVED_TAG
+
+        spec, state = self.state.spec, self.state
+        request = self.console.read_waive(spec.candidate_version)
+        if request is None:
+            return False
+        gates, actor = request
+        self.console.clear_action(spec.candidate_version, keys=(WAIVE_TAG, ACTOR_TAG))
+        known = A.known_gates(self.plan) | {v["gate"] for a in state.analyses for v in a["verdicts"]}
+        unknown = [g for g in gates if g not in known]
+        gates = [g for g in gates if g in known]
+        if unknown:
+            self._record("waive", state.phase, state.phase, f"ignored unknown gate(s) {', '.join(unknown)} "
+                         f"(gates: {', '.join(sorted(known))})", actor)
+        if not gates:
+            self._save()
+            return False
+        now = time.time()
+        for gate in gates:
+            state.waivers[gate] = {"actor": actor, "at": now, "phase": self._label(state.phase, state.step_index)}
+        self._record("waive", state.phase, state.phase, f"waived {', '.join(gates)}: still measured and shown, no "
+                     "longer holding the rollout (a failed critical gate still rolls back)", actor,
+                     detail=",".join(gates))
+        self._save()
+        self.console.set_tags(spec.candidate_version, {WAIVED_TAG: "; ".join(
+            f"{g} by {w['actor']} at {time.strftime('%Y-%m-%d %H:%M', time.localtime(w['at']))}"
+            for g, w in state.waivers.items())})
+        if state.phase in (PAUSED, AWAITING_APPROVAL):
+            self._resume(actor)
+            return True
+        return False
 
     def _candidate_unavailable(self) -> bool:
         """Fail fast when the candidate's replicas are all down (users are already on the champion)."""
@@ -216,18 +253,30 @@ class Controller:
                                                     state.floor, self.plan.gates, self.alpha,
                                                     self.plan.shadow_min_pairs))
             else:
-                verdicts += A.systems_verdicts(window, ("canary", spec.candidate_version), champ, self.plan.gates,
-                                               self.alpha, step.min_requests, streamed=True)
+                verdicts += A.systems_verdicts(window, ("canary", spec.candidate_version), self._reference(),
+                                               self.plan.gates, self.alpha, step.min_requests, streamed=True)
             if not self._behaviour_settled():
                 verdicts += self._behaviour_verdicts()
             candidate_variant = ("shadow" if state.phase == SHADOW else "canary", spec.candidate_version)
+            reference = champ if state.phase == SHADOW else self._reference()
+            compared = ("shadow", "champion") if state.phase == SHADOW else ("canary", reference[0])
+            minimum = self.plan.shadow_min_pairs if state.phase == SHADOW else step.min_requests
             result = Analysis(look, state.phase, state.weight, state.phase_started_at, now, verdicts,
-                              A.metrics_of(verdicts, window, candidate_variant, champ, state.weight),
-                              window.get("disagreements", []) if state.phase == SHADOW else [])
+                              A.metrics_of(verdicts, window, candidate_variant, reference, state.weight),
+                              window.get("disagreements", []) if state.phase == SHADOW else [],
+                              A.traffic_rows(window),
+                              A.traffic_advice(window, compared, state.weight, now - state.phase_started_at,
+                                               minimum),
+                              sorted(state.waivers))
         self.state.analyses.append(result.to_json())
         self._save()
         self._report(result)
         self._decide(result)
+
+    def _reference(self) -> tuple[str, str]:
+        """What a canary step is judged against: the baseline replica, or the champion pool without one."""
+        spec = self.state.spec
+        return ("baseline" if spec.baseline_replicas else "champion", spec.champion_version)
 
     def _judge_floor(self, window: dict[str, Any], look: int, now: float) -> Analysis:
         spec = self.state.spec
@@ -253,9 +302,11 @@ class Controller:
         a passed probe set would only pass again). Judging them once per rollout would let a verdict that
         was inconclusive at the first look vanish from the next one: a silent pass.
         """
+        waived = self.state.waivers
         for analysis in self.state.analyses:
             behaviour = [v for v in analysis["verdicts"] if A.is_behaviour_gate(v["gate"])]
-            if behaviour and all(v["outcome"] == PASS for v in behaviour):
+            if behaviour and all(v["outcome"] == PASS or (v["gate"] in waived and v["outcome"] != FAIL)
+                                 for v in behaviour):
                 return True
         return False
 
@@ -285,43 +336,55 @@ class Controller:
             self._rollback(f"gate failed at analysis {result.look}: {result.summary[6:]}", CONTROLLER)
             return
         if outcome == "review":
-            self._pause(f"advisory gate failed, a person should read the disagreements: {result.summary[6:]}",
-                        CONTROLLER)
+            self._pause(f"advisory gate failed, a person should read the disagreements: {result.summary[6:]}"
+                        f"{self._waive_hint(result.failed())}", CONTROLLER)
             return
         if outcome == INCONCLUSIVE:
-            if state.extensions < self.plan.max_extensions:
+            waiting_helps = any(A.more_time_helps(v) for v in result.inconclusive())
+            if waiting_helps and state.extensions < self.plan.max_extensions:
                 state.extensions += 1
                 self._record("extend", state.phase, state.phase,
                              f"inconclusive, extending ({state.extensions}/{self.plan.max_extensions}): "
                              f"{result.summary[14:]}", CONTROLLER)
                 self._save()
                 return
-            self._pause(f"still inconclusive after {state.extensions} extension(s): {result.summary[14:]}",
-                        CONTROLLER)
+            why = (f"still inconclusive after {state.extensions} extension(s)" if waiting_helps
+                   else "inconclusive, and more traffic would not change it")
+            self._pause(f"{why}: {result.summary[14:]}{self._waive_hint(result.inconclusive())}", CONTROLLER)
             return
         self._advance(f"analysis {result.look} passed ({result.summary})")
 
-    def _advance(self, cause: str) -> None:
+    @staticmethod
+    def _waive_hint(verdicts: list) -> str:
+        gates = ",".join(v.gate for v in verdicts if not (v.outcome == FAIL and v.critical))
+        if not gates:
+            return ""
+        return (f" — to go on without them: `deploy resume --waive {gates}`, or the version tag "
+                f"rollout.waive = {gates}")
+
+    def _advance(self, cause: str, actor: str = CONTROLLER, from_phase: str | None = None) -> None:
+        """The next phase after a passed analysis of ``from_phase`` (default: the current phase)."""
         state = self.state
-        if state.phase == BASELINE:
+        phase = from_phase or state.phase
+        if phase == BASELINE:
             if self.plan.shadow_seconds > 0:
-                self._enter(SHADOW, cause)
+                self._enter(SHADOW, cause, actor)
             else:
-                self._enter(CANARY, cause, step_index=0)
+                self._enter(CANARY, cause, actor, step_index=0)
             return
-        if state.phase == SHADOW:
-            self._enter(CANARY, cause, step_index=0)
+        if phase == SHADOW:
+            self._enter(CANARY, cause, actor, step_index=0)
             return
         step = self.plan.steps[state.step_index]
         last = state.step_index == len(self.plan.steps) - 1
         if step.approval == "required" or (last and self.plan.promotion_approval == "required"):
-            self._enter(AWAITING_APPROVAL, f"{cause}; waiting for a person to approve", resume_to=CANARY,
+            self._enter(AWAITING_APPROVAL, f"{cause}; waiting for a person to approve", actor, resume_to=CANARY,
                         step_index=state.step_index)
             return
         if last:
-            self._promote(cause, CONTROLLER)
+            self._promote(cause, actor)
         else:
-            self._enter(CANARY, cause, step_index=state.step_index + 1)
+            self._enter(CANARY, cause, actor, step_index=state.step_index + 1)
 
     def _resume(self, actor: str) -> None:
         state = self.state
@@ -333,7 +396,15 @@ class Controller:
                             step_index=state.step_index + 1)
             return
         target = state.resume_to or CANARY
-        self._enter(target, "resumed by hand", actor=actor, step_index=state.step_index)
+        last = Analysis.from_json(state.analyses[-1]) if state.analyses else None
+        if last is not None and last.phase == target and state.waivers:
+            last.waived = sorted(state.waivers)
+            if last.outcome == PASS:  # the pause was over gates a person has now waived: go on from here
+                self._advance(f"analysis {last.look} passes with {', '.join(last.waived)} waived", actor,
+                              from_phase=target)
+                return
+        self._enter(target, "resumed by hand: the phase is judged again on a new window", actor=actor,
+                    step_index=state.step_index)
 
     # ----------------------------------------------------------------- transitions
     def _pause(self, cause: str, actor: str) -> None:
@@ -370,18 +441,20 @@ class Controller:
         champ = {"replicas": spec.champion_replicas, "version": spec.champion_version,
                  "served_model": spec.champion_served_model}
         none = {"replicas": [], "version": "", "served_model": ""}
+        base = {"replicas": spec.baseline_replicas, "version": spec.champion_version,
+                "served_model": spec.champion_served_model} if spec.baseline_replicas else none
         salt = self.state.id
         # every active phase restates the champion, so the gateway labels its traffic with the right version
         if phase == BASELINE:
             return ({"champion": champ, "shadow": champ, "shadow_fraction": self.plan.shadow_fraction,
-                     "canary": none, "canary_weight": 0.0, "split_salt": salt}, [])
+                     "canary": none, "baseline": none, "canary_weight": 0.0, "split_salt": salt}, [])
         if phase == SHADOW:
             return ({"champion": champ, "shadow": cand, "shadow_fraction": self.plan.shadow_fraction,
-                     "canary": none, "canary_weight": 0.0, "split_salt": salt},
+                     "canary": none, "baseline": none, "canary_weight": 0.0, "split_salt": salt},
                     [AliasMove("shadow", spec.candidate_version)])
         if phase == CANARY:
             weight = self.plan.steps[step_index].weight
-            return ({"champion": champ, "canary": cand, "canary_weight": weight, "shadow": none,
+            return ({"champion": champ, "canary": cand, "baseline": base, "canary_weight": weight, "shadow": none,
                      "shadow_fraction": 0.0, "split_salt": salt},
                     [AliasMove("canary", spec.candidate_version), AliasMove("shadow", None)])
         if phase in (PAUSED, AWAITING_APPROVAL):
@@ -389,12 +462,13 @@ class Controller:
         if phase in (BAKE, PROMOTED):
             if self.state.phase == BAKE:  # bake over: the previous champion's replicas retire
                 return {}, []
-            return ({"champion": cand, "canary": none, "canary_weight": 0.0, "shadow": none, "shadow_fraction": 0.0},
+            return ({"champion": cand, "canary": none, "baseline": none, "canary_weight": 0.0, "shadow": none,
+                     "shadow_fraction": 0.0},
                     [AliasMove("previous-champion", spec.champion_version),
                      AliasMove("champion", spec.candidate_version), AliasMove("canary", None),
                      AliasMove("shadow", None)])
         if phase == ROLLED_BACK:
-            return ({"champion": champ, "canary": none, "canary_weight": 0.0, "shadow": none,
+            return ({"champion": champ, "canary": none, "baseline": none, "canary_weight": 0.0, "shadow": none,
                      "shadow_fraction": 0.0},
                     [AliasMove("champion", spec.champion_version), AliasMove("canary", None),
                      AliasMove("shadow", None)])
@@ -500,9 +574,9 @@ class Controller:
             v = latest["agreement"]
             floor = 1 - v["baseline"] if v["baseline"] is not None else None
             parts.append(f"agree {1 - v['candidate']:.2f}" + (f" (floor {floor:.2f})" if floor is not None else ""))
-        for gate, label in (("ttft_p95_ratio", "TTFT"), ("itl_p95_ratio", "ITL"), ("ms_per_token_p95_ratio", "ms/tok")):
+        for gate, label in (("ttft_ratio", "TTFT"), ("itl_ratio", "ITL"), ("ms_per_token_p95_ratio", "ms/tok p95")):
             if gate in latest and latest[gate]["candidate"] is not None:
-                parts.append(f"{label} p95 ×{latest[gate]['candidate']:.2f}")
+                parts.append(f"{label} ×{latest[gate]['candidate']:.2f}")
         if "probe_accuracy" in latest and latest["probe_accuracy"]["candidate"] is not None:
             v = latest["probe_accuracy"]
             parts.append(f"acc {(v['baseline'] - v['candidate']) * 100:+.0f} pts")

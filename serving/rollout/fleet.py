@@ -38,6 +38,7 @@ class ReplicaRecord:
     log: str
     served_model: str
     serve_flags: list[str] = field(default_factory=list)  # `lifecycle serve` flags beyond the fleet's own
+    role: str = ""  # "" the version's own replica; "baseline": a fresh copy of the champion judged beside a canary
 
 
 @dataclass
@@ -89,6 +90,17 @@ def wait_for(url: str, timeout: float, proc_pid: int | None = None, log: str | P
         lines = [ln for ln in Path(log).read_text(errors="replace").splitlines() if ln.strip()]
         tail = f"; last log line: {lines[-1][:300]}" if lines else ""
     raise RolloutError(f"{url} did not answer in {timeout:.0f} s{tail}")
+
+
+def warm_up(url: str, served_model: str, requests: int) -> None:
+    """A few short requests straight to a replica (not through the gateway, so nothing is recorded)."""
+    body = {"model": served_model, "messages": [{"role": "user", "content": "What is 12 + 30?"}],
+            "max_tokens": 8, "temperature": 0}
+    for _ in range(requests):
+        try:
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        except httpx.TransportError as exc:
+            raise RolloutError(f"{url}: the warm-up request failed ({type(exc).__name__})") from None
 
 
 class LocalFleet:
@@ -226,19 +238,21 @@ class LocalFleet:
         self.record.gateway_url, self.record.gateway_pid = url, pid
         self.save()
 
-    def replica(self, version: str) -> ReplicaRecord | None:
+    def replica(self, version: str, role: str = "") -> ReplicaRecord | None:
         for replica in self.record.replicas:
-            if replica.version == str(version) and pid_alive(replica.pid):
+            if replica.version == str(version) and replica.role == role and pid_alive(replica.pid):
                 return replica
         return None
 
     def start_replica(self, bundle: str | Path, version: str, timeout: float = 600,
-                      serve_flags: Sequence[str] = ()) -> ReplicaRecord:
-        """Serve a verified bundle on a free port (reusing a live replica of the same version).
+                      serve_flags: Sequence[str] = (), role: str = "", warmup: int = 0) -> ReplicaRecord:
+        """Serve a verified bundle on a free port (reusing a live replica of the same version and role).
 
         ``serve_flags``: more `lifecycle serve` flags for this replica (speculative decoding, step budget...);
-        the fleet sets the port, name, KV memory, threads and log level itself."""
-        existing = self.replica(version)
+        the fleet sets the port, name, KV memory, threads and log level itself. ``warmup`` short requests are
+        sent straight to a new replica once it is ready, so its first measured requests do not pay for
+        first-use costs (kernel builds, allocator growth) that an older replica paid long ago."""
+        existing = self.replica(version, role)
         if existing is not None:
             return existing
         port = free_port()
@@ -248,17 +262,29 @@ class LocalFleet:
         if self.threads:
             args += ["--threads", str(self.threads)]
         args += serve_flags
-        pid, log = self._spawn(args, f"replica-v{version}-{port}.log")
+        pid, log = self._spawn(args, f"replica-v{version}{f'-{role}' if role else ''}-{port}.log")
         url = f"http://127.0.0.1:{port}"
-        record = ReplicaRecord(str(version), str(bundle), url, pid, str(log), served, list(serve_flags))
+        record = ReplicaRecord(str(version), str(bundle), url, pid, str(log), served, list(serve_flags), role)
         self.record.replicas = [r for r in self.record.replicas if pid_alive(r.pid)] + [record]
         self.save()
         try:
             wait_for(url + "/ready", timeout, pid, log)
+            warm_up(url, served, warmup)
         except RolloutError:
             self.stop_replica(record)
             raise
         return record
+
+    def start_rollout_replicas(self, bundle: str | Path, version: str, champion: ReplicaRecord,
+                               serve_flags: Sequence[str] = (), warmup: int = 4
+                               ) -> tuple[ReplicaRecord, ReplicaRecord]:
+        """The candidate's replica and, started with it, a baseline: a fresh replica of the champion's snapshot
+        with the champion's flags and the fleet's core budget, which the canary steps judge the candidate
+        against (same age, same share of traffic). Both get the same warm-up."""
+        candidate = self.start_replica(bundle, version, serve_flags=serve_flags, warmup=warmup)
+        baseline = self.start_replica(champion.bundle, champion.version, serve_flags=champion.serve_flags,
+                                      role="baseline", warmup=warmup)
+        return candidate, baseline
 
     def stop_replica(self, replica: ReplicaRecord, grace: float = 10) -> None:
         _terminate(replica.pid, grace)
@@ -267,7 +293,8 @@ class LocalFleet:
 
     def retire_unrouted(self, routing: dict) -> list[ReplicaRecord]:
         """Stop the replicas no variant routes to any more (a rolled-back candidate, a retired champion)."""
-        routed = {url for name in ("champion", "canary", "shadow") for url in routing[name]["replicas"]}
+        routed = {url for name in ("champion", "canary", "shadow", "baseline")
+                  for url in (routing.get(name) or {}).get("replicas", [])}
         retired = [r for r in self.record.replicas if r.url not in routed]
         for replica in retired:
             self.stop_replica(replica)

@@ -14,9 +14,17 @@ Tests, chosen for small counts and for what each gate measures:
   adjusted Wald test for a difference of proportions (add one success and one failure to each side),
   which keeps its error rate near nominal even at 0 errors in 100 requests, where the plain Wald test
   has no variance at all;
-- latency p95 ratios (TTFT, inter-token, end-to-end): an exceedance test. If the candidate's p95 were at
-  most ``max_ratio`` times the baseline's, at most 5% of candidate samples would exceed ``max_ratio ×
-  baseline p95``; a one-sided binomial test on how many do asks exactly the question the gate states.
+- canary latency (TTFT, inter-token), candidate against a baseline replica of equal standing: a
+  Mann-Whitney U test of a shift on the log scale with a tolerance band, and the Hodges-Lehmann estimate of
+  the ratio with its one-sided confidence bound (Kayenta's judge). Both samples are random, so neither
+  side's quantile may be treated as a fixed number; the rank test uses every sample, which gives it the
+  power to see a +50% TTFT shift in a few dozen requests a side, where a test of p95 exceedances needs
+  hundreds; and it ignores the outliers shared cores produce. The price is that a regression confined to
+  the slowest few percent moves the median little; the shadow phase's pairwise test below covers tails.
+- shadow latency (ms per output token), each mirrored request against the champion's answer to the very
+  same request: an exceedance test. If the candidate's p95 were at most ``max_ratio`` times the
+  champion's, at most 5% of candidate samples would exceed ``max_ratio × champion p95``; a one-sided
+  binomial test on how many do asks exactly the question the gate states.
 
 Looking at the data after every step would inflate false alarms, so the controller divides ``alpha``
 over the planned analyses (Bonferroni): the whole rollout fails a good candidate with probability at most
@@ -28,7 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from scipy.stats import binomtest, norm
+import numpy as np
+from scipy.stats import binomtest, mannwhitneyu, norm
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 
@@ -116,6 +125,54 @@ def latency_gate(gate: str, candidate: list[float], baseline: list[float], *, ma
         return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, p_value, n, min_samples,
                        f"{detail}: above ×{max_ratio:g} but not significantly (p={p_value:.2g})", critical)
     return Verdict(gate, PASS, ratio, 1.0, rule, p_value, n, min_samples, detail, critical)
+
+
+HL_MAX_SAMPLES = 1500  # per side for the Hodges-Lehmann estimate (all pairs: 2.25M differences at most)
+
+
+def shift_gate(gate: str, candidate: list[float], baseline: list[float], *, max_ratio: float, alpha: float,
+               min_samples: int, critical: bool = True, against: str = "baseline") -> Verdict:
+    """Fail when the candidate's values are significantly more than ``max_ratio`` × the baseline's.
+
+    H0: log(candidate) ≤ log(baseline) + log(max_ratio), tested one-sided with Mann-Whitney U on the
+    baseline shifted by the tolerance. The value is the Hodges-Lehmann ratio (the median of all pairwise
+    candidate/baseline ratios); a fail means its lower confidence bound lies beyond the band.
+    """
+    rule = f"HL ratio ≤ {max_ratio:g}× {against}"
+    n = min(len(candidate), len(baseline))
+    if n < min_samples:
+        return Verdict(gate, INCONCLUSIVE, None, 1.0, rule, None, n, min_samples,
+                       f"too few samples ({len(candidate)} candidate, {len(baseline)} {against}; need {min_samples})",
+                       critical)
+    log_c = np.log(np.maximum(np.asarray(candidate, dtype=float), 1e-6))
+    log_b = np.log(np.maximum(np.asarray(baseline, dtype=float), 1e-6))
+    tolerance = math.log(max_ratio)
+    p_value = float(mannwhitneyu(log_c, log_b + tolerance, alternative="greater").pvalue)
+    ratio, lower = hodges_lehmann_ratio(log_c, log_b, alpha)
+    medians = f"median {float(np.median(np.exp(log_c))):.1f} vs {float(np.median(np.exp(log_b))):.1f} ms"
+    detail = f"{medians}; HL ×{ratio:.2f} (≥ ×{lower:.2f} at {1 - alpha:.1%}), {len(candidate)}/{len(baseline)} samples"
+    if p_value < alpha:
+        return Verdict(gate, FAIL, ratio, 1.0, rule, p_value, n, min_samples,
+                       f"{detail}: beyond ×{max_ratio:g} (p={p_value:.2g})", critical)
+    if ratio > max_ratio:
+        return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, p_value, n, min_samples,
+                       f"{detail}: above ×{max_ratio:g} but not significantly (p={p_value:.2g})", critical)
+    return Verdict(gate, PASS, ratio, 1.0, rule, p_value, n, min_samples, detail, critical)
+
+
+def hodges_lehmann_ratio(log_c: np.ndarray, log_b: np.ndarray, alpha: float) -> tuple[float, float]:
+    """exp of the Hodges-Lehmann shift of two log samples, and its one-sided (1 - alpha) lower bound, from the
+    order statistics of the pairwise differences (the distribution-free bound that inverts the U test)."""
+    rng = np.random.default_rng(0)  # large samples are thinned the same way every time
+    if len(log_c) > HL_MAX_SAMPLES:
+        log_c = rng.choice(log_c, HL_MAX_SAMPLES, replace=False)
+    if len(log_b) > HL_MAX_SAMPLES:
+        log_b = rng.choice(log_b, HL_MAX_SAMPLES, replace=False)
+    diffs = np.sort((log_c[:, None] - log_b[None, :]).ravel())
+    n1, n2 = len(log_c), len(log_b)
+    k = int(math.floor(n1 * n2 / 2 - norm.ppf(1 - alpha) * math.sqrt(n1 * n2 * (n1 + n2 + 1) / 12)))
+    lower = diffs[min(max(k, 0), len(diffs) - 1)]
+    return float(math.exp(np.median(diffs))), float(math.exp(lower))
 
 
 def check_gate(gate: str, passed: bool | None, reason: str, critical: bool = True) -> Verdict:

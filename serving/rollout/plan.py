@@ -36,9 +36,12 @@ class Gates:
     alpha: float = 0.05  # false-alarm budget of the whole rollout, spread over its analyses
     max_error_rate_increase: float = 0.01  # 5xx rate
     max_rate_limited_increase: float = 0.02  # 429 rate
-    max_ttft_p95_ratio: float = 1.5
-    max_itl_p95_ratio: float = 1.5
-    max_e2e_p95_ratio: float = 1.5  # shadow phase: mirrored request vs the champion's same request
+    # canary steps, candidate against the baseline replica: the Hodges-Lehmann ratio of time to first token and
+    # of inter-token latency (a typical request's, not a tail's; see judge.shift_gate)
+    max_ttft_ratio: float = 1.25
+    max_itl_ratio: float = 1.25
+    # shadow phase: p95 of ms per output token, each mirrored request against the champion's same request
+    max_ms_per_token_p95_ratio: float = 1.5
     max_agreement_drop: float = 0.15  # shadow disagreement above the champion-vs-champion floor
     agreement_critical: bool = False  # False: a drop pauses for a person (a retrained model may differ)
     max_accuracy_drop: float = 0.05  # probes: verifiable tasks
@@ -50,7 +53,7 @@ class Gates:
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha: must be in (0, 1), got {self.alpha}")
-        for name in ("max_ttft_p95_ratio", "max_itl_p95_ratio", "max_e2e_p95_ratio"):
+        for name in ("max_ttft_ratio", "max_itl_ratio", "max_ms_per_token_p95_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_error_rate_increase", "max_rate_limited_increase", "max_agreement_drop",

@@ -19,6 +19,8 @@ from artifacts.errors import RegistryError
 
 ACTION_TAG = "rollout.action"
 ACTOR_TAG = "rollout.actor"
+WAIVE_TAG = "rollout.waive"  # comma-separated gate names a person waives (and so resumes a pause)
+WAIVED_TAG = "rollout.waived"  # what the controller shows back: the gates waived, by whom
 ACTIONS = ("promote", "rollback", "pause", "resume")
 ALIASES = ("champion", "canary", "shadow", "previous-champion")
 
@@ -73,14 +75,25 @@ class RegistryConsole:
             return None
         return action, tags.get(ACTOR_TAG) or "a person (MLflow UI tag)"
 
-    def clear_action(self, version: str) -> None:
+    def read_waive(self, version: str) -> tuple[list[str], str] | None:
+        """The gates a person asked to waive on the version (``rollout.waive = gate[,gate]``), and who."""
+        tags = self.tags(version)
+        gates = [g.strip() for g in (tags.get(WAIVE_TAG) or "").split(",") if g.strip()]
+        if not gates:
+            return None
+        return gates, tags.get(ACTOR_TAG) or "a person (MLflow UI tag)"
+
+    def clear_action(self, version: str, keys: tuple[str, ...] = (ACTION_TAG, ACTOR_TAG)) -> None:
         from mlflow.exceptions import MlflowException
 
-        for key in (ACTION_TAG, ACTOR_TAG):
+        for key in keys:
             try:
                 self.client.delete_model_version_tag(self.model_name, str(version), key)
             except MlflowException:
                 pass
+
+    def request_waive(self, version: str, gates: list[str], actor: str) -> None:
+        self.set_tags(version, {ACTOR_TAG: actor, WAIVE_TAG: ",".join(gates)})
 
     def request_action(self, version: str, action: str, actor: str) -> None:
         if action not in ACTIONS:

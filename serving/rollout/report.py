@@ -48,10 +48,18 @@ def comparison_markdown(state: RolloutState) -> str:
                    + f" — {analysis['outcome']}\n")
         out.append("| gate | candidate | baseline | rule | verdict | p | samples | why |")
         out.append("|---|---|---|---|---|---|---|---|")
+        waived = set(analysis.get("waived") or [])
         for v in analysis["verdicts"]:
             out.append(f"| {v['gate']} | {_num(v['candidate'])} | {_num(v['baseline'])} | {_cell(v['threshold'])} | "
-                       f"**{v['outcome']}**{'' if v['critical'] else ' (advisory)'} | {_num(v['p_value'])} | "
+                       f"**{v['outcome']}**{'' if v['critical'] else ' (advisory)'}"
+                       f"{' (waived)' if v['gate'] in waived else ''} | {_num(v['p_value'])} | "
                        f"{v['samples']}/{v['min_samples']} | {_cell(v['reason'])} |")
+        if analysis.get("traffic"):
+            out.append("\nTraffic in the window: " + ", ".join(
+                f"{t['variant']} v{t['version']} {t['requests']} requests from {t['keys']} keys"
+                for t in analysis["traffic"]) + ".")
+        if analysis.get("advice"):
+            out.append(f"\n{analysis['advice']}")
     return "\n".join(out) + "\n"
 
 
@@ -76,7 +84,8 @@ def disagreements_markdown(state: RolloutState, pairs: list[dict[str, Any]]) -> 
 
 
 def comparison_figure(state: RolloutState):
-    """Candidate and champion side by side per analysis: latency p95s, error rates, agreement vs floor."""
+    """Candidate against what it was judged on, per analysis: the baseline replica in canary steps (the champion
+    in shadow), latency medians and p95s, error rates, agreement vs floor."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,13 +93,13 @@ def comparison_figure(state: RolloutState):
 
     looks = [a["look"] for a in state.analyses]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    panels = [("latency p95 (ms)", ("ttft_ms_p95", "itl_ms_p95", "ms_per_token_p95")),
+    panels = [("latency p50 and p95 (ms)", ("ttft_ms_p50", "ttft_ms_p95", "itl_ms_p95", "ms_per_token_p95")),
               ("5xx rate", ("error_rate",)), ("agreement", ())]
     for ax, (title, names) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("analysis")
         for name in names:
-            for who, style in (("candidate", "-o"), ("champion", "--s")):
+            for who, style in (("candidate", "-o"), ("champion", "--s"), ("baseline", ":^")):
                 ys = [a["metrics"].get(f"{who}.{name}") for a in state.analyses]
                 if any(y is not None for y in ys):
                     ax.plot(looks, [float("nan") if y is None else y for y in ys], style, label=f"{who} {name}")

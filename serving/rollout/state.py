@@ -42,6 +42,9 @@ class RolloutSpec:
     champion_replicas: list[str]
     candidate_served_model: str = ""
     champion_served_model: str = ""
+    # fresh replicas of the champion's snapshot, started with the candidate's: in canary steps they take the
+    # canary's share and every systems gate compares the canary with them (none: with the champion pool)
+    baseline_replicas: list[str] = field(default_factory=list)
     gateway_url: str = "http://127.0.0.1:8080"
     admin_key_file: str = ""
     tracking_uri: str = ""
@@ -97,6 +100,10 @@ class RolloutState:
     # what this rollout itself last set each alias to: a move that finds the alias already there is news
     # only when someone else (a person, or this rollout before a restart) put it there
     aliases_set: dict[str, str | None] = field(default_factory=dict)
+    # gate -> {"actor", "at", "cause"}: gates a person waived (deploy resume --waive, the rollout.waive tag);
+    # a waived gate is still measured and shown, but an inconclusive or advisory result no longer holds the
+    # rollout (a failed critical gate is never waived: that needs promote)
+    waivers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from artifacts.cli import main, register_cli
 from artifacts.manifest import manifest_digest
@@ -66,3 +70,23 @@ def test_write_then_refuse_overwrite(model_dir, tmp_path, capsys, small_shard_si
     assert "already exists" in capsys.readouterr().err
     assert main(["bundle", "write", str(model_dir), str(tmp_path / "c"), "--name", "t", "--stage-run", "x"]) == 2
     assert "--stage-run: expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_register_without_tracking_uri_uses_the_pipeline_store(session_bundle, tmp_path):
+    """`lifecycle bundle register` with no --tracking-uri and no $MLFLOW_TRACKING_URI writes into the store under
+    $LIFECYCLE_HOME (as `deploy` and `lifecycle ui` read it), not a new mlflow.db and mlruns/ where it stands."""
+    from mlflow import MlflowClient
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env |= {"LIFECYCLE_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true"}
+    done = subprocess.run([str(Path(sys.executable).parent / "lifecycle"), "bundle", "register", str(session_bundle),
+                           "--model-name", "tiny-cli"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "registered models:/tiny-cli/1" in done.stdout
+    assert sorted(p.name for p in cwd.iterdir()) == []  # no mlflow.db, no mlruns/
+    version = MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_model_version("tiny-cli", "1")
+    assert version.tags["manifest_digest"] == manifest_digest(session_bundle)
+    assert (home / "mlartifacts" / "bundles").is_dir()  # the bundle's files sit beside the store

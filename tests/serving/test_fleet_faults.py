@@ -207,7 +207,10 @@ def test_kill9_of_the_gateway_restores_its_routing_on_restart(tmp_path, tiny_mod
 def test_a_stream_whose_replica_dies_mid_answer_is_finished_by_the_champion(tmp_path, tiny_model_dir):
     """kill -9 of the canary replica while it streams: the gateway asks the champion to continue the partial
     answer (`continue_final_message` for chat, prompt + partial text for completions); the user sees one
-    unbroken stream."""
+    unbroken stream: the canary's greedy text up to the kill, then the champion's greedy continuation of exactly
+    that text. (Not the uninterrupted answer itself: the continuation goes through text, and this model's
+    byte-level tokens do not survive the round trip, e.g. a half UTF-8 character streams as U+FFFD.)"""
+    from serving.gateway.proxy import continuation_body
     from tests.serving.fleet_support import engine_process
 
     keys_file = tmp_path / "keys.json"
@@ -250,8 +253,33 @@ def test_a_stream_whose_replica_dies_mid_answer_is_finished_by_the_champion(tmp_
                 finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
                 assert finishes == ["length"]
                 assert events[-1]["usage"]["completion_tokens"] >= 1
+                # one seam: the canary's events ("b"), then the champion's ("a"), none lost or repeated
+                models = [e["model"] for e in events]
+                switch = models.index("a")
+                assert set(models[:switch]) == {"b"} and set(models[switch:]) == {"a"}
+                said = [_event_text(e) for e in events[:switch] if _event_text(e)]
+                partial, continued = "".join(said), "".join(_event_text(e) for e in events[switch:])
+                assert partial and continued
+                # up to the kill the user got the greedy answer a healthy replica gives (same weights) ...
+                direct = {**request, "model": "a"}
+                assert _streamed_text(champion_url + path, direct).startswith(partial)
+                # ... and then exactly the champion's greedy continuation of that partial answer
+                asked = continuation_body(path, direct, partial, len(said))
+                assert continued == _streamed_text(champion_url + path, asked)
             finally:
                 canary.stop()
         metrics = httpx.get(f"{base}/metrics").text
         assert 'lifecycle_gateway_fallbacks_total{from_variant="canary",to_variant="champion"} 2.0' in metrics
         gateway.stop()
+
+
+def _event_text(event: dict) -> str:
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in event.get("choices", []))
+
+
+def _streamed_text(url: str, body: dict) -> str:
+    """The concatenated text of a stream asked of one replica directly."""
+    with httpx.stream("POST", url, json=body, timeout=120) as response:
+        assert response.status_code == 200
+        return "".join(_event_text(json.loads(line[6:])) for line in response.iter_lines()
+                       if line.startswith("data: ") and line != "data: [DONE]")

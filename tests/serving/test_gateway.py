@@ -42,7 +42,7 @@ def replica_b(tiny_model_dir_b):
 @contextlib.contextmanager
 def gateway(tmp_path: Path, champion: list[str], *, canary: list[str] = (), shadow: list[str] = (),
             weight: float = 0.0, shadow_fraction: float = 0.0, keys: bool = True, limits=None, shadow_cfg=None,
-            state_dir: Path | None = None):
+            state_dir: Path | None = None, eject_after: int = 2):
     keys_file = tmp_path / "keys.json"
     user = admin = None
     if keys:
@@ -55,6 +55,7 @@ def gateway(tmp_path: Path, champion: list[str], *, canary: list[str] = (), shad
         shadow_mirror=shadow_cfg or ShadowConfig(fraction=shadow_fraction),
         limits=LimitsConfig(), )
     config.health.interval_s = 0.2
+    config.health.eject_after = eject_after
     app = build_gateway_app(config, seed=0)
     with uvicorn_thread(app, config.port) as base:
         yield base, user, admin, app.state.gateway
@@ -239,10 +240,13 @@ def test_retry_before_first_byte_on_another_replica_of_the_variant(tmp_path, rep
     with gateway(tmp_path, [dead, replica_a]) as (base, user, admin, _):
         results = [complete(base, user) for _ in range(6)]
         assert all(r.status_code == 200 for r in results)
-    with gateway(tmp_path / "none", [dead]) as (base, user, admin, _):
+    # one failure ejects: once the request has failed, the dead champion is out whether the request or the
+    # health poll saw it first, so the gateway is not ready (nothing could serve)
+    with gateway(tmp_path / "none", [dead], eject_after=1) as (base, user, admin, _):
         r = complete(base, user)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-        assert httpx.get(f"{base}/ready").status_code in (200, 503)
+        ready = httpx.get(f"{base}/ready")
+        assert ready.status_code == 503 and ready.json()["reason"] == "no healthy champion replica"
 
 
 def test_streaming_passthrough_and_latency_records(tmp_path, replica_a):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
 import pytest
 
-from serving.rollout import judge
+from serving.rollout import analysis, judge
 from serving.rollout.plan import CanaryStep, Gates, RolloutPlan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,8 +50,47 @@ def test_latency_gate_uses_the_p95_exceedance():
                               min_samples=20).outcome == "inconclusive"
     # a slow tail on a few requests only: above the ratio on p95 but not significantly so → look again
     tail = same[:180] + [400.0] * 12
-    assert judge.latency_gate("ttft", tail, base, max_ratio=1.5, alpha=0.001, min_samples=20).outcome in (
-        "inconclusive", "fail")
+    verdict = judge.latency_gate("ttft", tail, base, max_ratio=1.5, alpha=0.001, min_samples=20)
+    assert verdict.outcome == "inconclusive" and "not significantly" in verdict.reason
+
+
+def _lognormal(rng: random.Random, n: int, median_ms: float) -> list[float]:
+    return [median_ms * math.exp(rng.gauss(0, 0.4)) for _ in range(n)]
+
+
+def shift(candidate, baseline, max_ratio=1.25, alpha=0.01, min_samples=30):
+    return judge.shift_gate("ttft_ratio", candidate, baseline, max_ratio=max_ratio, alpha=alpha,
+                            min_samples=min_samples)
+
+
+def test_shift_gate_stays_quiet_on_equal_samples_a_a():
+    """Two samples of one latency distribution (A/A): the canary-vs-baseline gate never fails at these
+    sizes, and its false-alarm rate with no tolerance at all stays near alpha (the test is calibrated)."""
+    rng = random.Random(2)
+    outcomes = [shift(_lognormal(rng, 60, 50), _lognormal(rng, 60, 50)).outcome for _ in range(300)]
+    assert outcomes.count("fail") == 0 and outcomes.count("pass") >= 290
+    strict = [shift(_lognormal(rng, 60, 50), _lognormal(rng, 60, 50), max_ratio=1.0, alpha=0.05).outcome
+              for _ in range(300)]
+    assert strict.count("fail") / 300 <= 0.08
+
+
+def test_shift_gate_fires_on_a_planted_50_percent_slowdown():
+    rng = random.Random(3)
+    detected = 0
+    for _ in range(100):
+        base = _lognormal(rng, 120, 50)  # a canary step of a minute or two at a few requests a second
+        slow = [v + 25 for v in _lognormal(rng, 120, 50)]  # the gateway's delay drill: +50% of the median
+        detected += shift(slow, base).outcome == "fail"
+    assert detected >= 90
+    verdict = shift([v * 3 for v in _lognormal(rng, 80, 50)], _lognormal(rng, 80, 50))
+    assert verdict.outcome == "fail" and 2.5 < verdict.candidate < 3.5 and "HL ×" in verdict.reason
+
+
+def test_shift_gate_is_inconclusive_on_too_few_samples_and_names_them():
+    rng = random.Random(4)
+    verdict = shift(_lognormal(rng, 3, 50), _lognormal(rng, 200, 50))
+    assert verdict.outcome == "inconclusive" and "3 candidate, 200 baseline" in verdict.reason
+    assert verdict.candidate is None  # no number is shown as if it were measured
 
 
 def test_alpha_is_spread_over_the_planned_analyses():
@@ -71,8 +111,8 @@ def test_bad_plans_are_refused_naming_the_field(kwargs, needle):
 
 
 def test_bad_gates_and_steps_are_refused():
-    with pytest.raises(ValueError, match="max_ttft_p95_ratio"):
-        Gates(max_ttft_p95_ratio=0.5)
+    with pytest.raises(ValueError, match="max_ttft_ratio"):
+        Gates(max_ttft_ratio=0.5)
     with pytest.raises(ValueError, match="weight"):
         CanaryStep(0)
     with pytest.raises(ValueError, match="approval"):
@@ -120,3 +160,41 @@ def test_offline_records_compare_metric_by_metric_with_the_rate_test():
     # records written before they carried sample counts cannot be compared: no verdict, not a pass
     assert offline_verdicts({"passed": True, "metrics": {"refusal_rate": 0.2}}, champion, Gates(), 0.01) == []
     assert offline_verdicts(broken, None, Gates(), 0.01) == []
+
+
+def _window(**variants) -> dict:
+    return {"variants": [{"variant": name, "version": "1", "requests": r, "keys": k, "status_5xx": 0,
+                          "status_429": 0, "ttft_ms": [], "itl_ms": [], "ms_per_token": []}
+                         for name, (r, k) in variants.items()]}
+
+
+def test_low_traffic_is_explained_with_what_would_make_it_conclusive():
+    """60 users, a 5% sticky canary: no key landed on the canary in the window."""
+    window = _window(champion=(170, 57), canary=(0, 0), baseline=(10, 3))
+    advice = analysis.traffic_advice(window, ("canary", "baseline"), weight=5, seconds=120, min_requests=50)
+    assert "canary 0 requests from 0 keys, baseline 10 requests from 3 keys" in advice
+    assert "180 requests from 60 keys in all" in advice
+    assert "weight ≥ 28%" in advice and "more users (at 5% about 3.0 of 60 keys" in advice
+    window = _window(champion=(900, 55), canary=(20, 3), baseline=(25, 2))
+    advice = analysis.traffic_advice(window, ("canary", "baseline"), weight=5, seconds=60, min_requests=50)
+    assert "a step of ≥ 150 s at this rate" in advice  # 20 requests a minute on the short side
+    assert analysis.traffic_advice(_window(canary=(60, 9), baseline=(55, 8)), ("canary", "baseline"), 50, 60,
+                                   50) == ""
+
+
+def _verdict(gate, outcome, critical=True):
+    return judge.Verdict(gate, outcome, None, None, "", None, 0, 1, "", critical)
+
+
+def test_a_waiver_lets_an_inconclusive_gate_pass_but_never_a_failed_critical_one():
+    make = analysis.Analysis
+    inconclusive = make(1, "shadow", 0, 0, 1, [_verdict("error_rate", "pass"), _verdict("eval_record", "inconclusive")])
+    assert inconclusive.outcome == "inconclusive"
+    inconclusive.waived = ["eval_record"]
+    assert inconclusive.outcome == "pass" and "1 waived: eval_record" in inconclusive.summary
+    advisory = make(2, "shadow", 0, 0, 1, [_verdict("agreement", "fail", critical=False)], waived=["agreement"])
+    assert advisory.outcome == "pass"
+    critical = make(3, "canary", 50, 0, 1, [_verdict("ttft_ratio", "fail")], waived=["ttft_ratio"])
+    assert critical.outcome == "fail"
+    again = analysis.Analysis.from_json(inconclusive.to_json())
+    assert again.outcome == "pass" and again.waived == ["eval_record"]

@@ -1,0 +1,162 @@
+"""Verdicts a user can trust, end to end with real parts.
+
+- A/A through `deploy` on real `lifecycle serve` processes (the engine-core layout users run), judged with
+  the plan's real tolerances: a candidate identical to the champion is never rolled back. The canary is
+  judged against a baseline replica that shows as its own variant; the candidate was registered by hand
+  without an eval record, so the rollout pauses on that fact until a person waives it with
+  `deploy resume --waive eval_record`, which the decision log and the version's tags record.
+- Probes that decide: a tiny model taught for real to answer a few sums is the champion; probes pass for
+  the same model released again (above) and roll back a candidate that never learnt them (below).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow import MlflowClient
+
+from serving.rollout.controller import Controller
+from serving.rollout.plan import CanaryStep, Probes
+from serving.rollout.state import StateFile
+from serving.rollout.traffic import TrafficGenerator, TrafficSpec
+from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_versions, spec_for
+from tests.serving.test_fleet_faults import _fleet_record, _wait_phase, deploy
+
+pytestmark = pytest.mark.slow
+SUMS = [(12, 30), (45, 17), (7, 8), (23, 19), (31, 11), (9, 40), (26, 26), (14, 5)]
+
+
+def _teach(model_dir: Path, out: Path, pairs: list[tuple[str, str]], steps: int = 200) -> Path:
+    """Fine-tune the tiny model for real until it answers each prompt with its reply (full weights, AdamW)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = []
+    for prompt, reply in pairs:
+        prefix = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+        head = tok(prefix, add_special_tokens=False).input_ids
+        ids = tok(prefix + reply + "<|end|>", add_special_tokens=False).input_ids
+        rows.append((ids, [-100] * len(head) + ids[len(head):]))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.tensor([ids + [tok.pad_token_id] * (width - len(ids)) for ids, _ in rows])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
+    mask = (torch.arange(width)[None, :] < torch.tensor([len(ids) for ids, _ in rows])[:, None]).long()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05, f"the tiny model did not learn its sums (loss {loss.item():.3f})"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def taught(tmp_path_factory, tiny_model_dir) -> tuple[Path, Path]:
+    """(model dir, probe data dir): a tiny model that answers eight sums in the reply contract, and those sums
+    as a data-stage output (tasks_heldout.jsonl with reference answers; no safety prompts)."""
+    root = tmp_path_factory.mktemp("taught")
+    pairs = [(f"What is {a} + {b}?", f"Answer: {a + b}") for a, b in SUMS]
+    model = _teach(tiny_model_dir, root / "model", pairs)
+    data = root / "data"
+    data.mkdir()
+    (data / "tasks_heldout.jsonl").write_text("".join(
+        json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n" for a, b in SUMS))
+    (data / "safety_heldout.jsonl").write_text("")
+    return model, data
+
+
+def _probe_plan(data_dir: Path):
+    return fast_plan(steps=[CanaryStep(50, seconds=10, min_requests=20)],
+                     probes=Probes(data_dir=str(data_dir), tasks=len(SUMS), safety=0, max_tokens=16))
+
+
+def test_a_a_through_deploy_is_never_rolled_back_and_a_waiver_gets_past_a_missing_eval_record(tmp_path, taught):
+    model, data = taught
+    registry = register_versions(tmp_path, {"a": model, "a2": model}, champion=False, unevaluated=frozenset({"a2"}))
+    home, fleet_dir = tmp_path / "home", tmp_path / "fleet"
+    common = ["--fleet", str(fleet_dir), "--tracking-uri", registry.tracking_uri]
+    serve = ["--threads", "1", "--kv-memory", "16MiB"]
+    try:
+        first = deploy("snapshot", f"models:/{MODEL}/1", *common, *serve, home=home)
+        assert first.returncode == 0, first.stderr[-3000:]
+        key = (fleet_dir / "traffic.key").read_text().strip()
+        traffic = TrafficGenerator(_fleet_record(fleet_dir)["gateway_url"], key, TrafficSpec(
+            data_dir=str(data), users=400, concurrency=3, max_tokens=12), model=MODEL).start()
+        try:
+            plan = tmp_path / "plan.yaml"
+            plan.write_text(yaml.safe_dump(_probe_plan(data).to_json()))
+            started = deploy("snapshot", f"models:/{MODEL}/2", *common, *serve, "--plan", str(plan), "--probes",
+                             str(data), home=home)
+            assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+            assert "baseline for the canary steps: a fresh replica of v1" in started.stdout
+            rollout_dir = Path(_fleet_record(fleet_dir)["rollout_dir"])
+            paused = _wait_phase(rollout_dir, {"paused", "rolled_back", "promoted"})
+            assert paused.phase == "paused", paused.reason
+            assert "eval_record" in paused.reason and "deploy resume --waive eval_record" in paused.reason
+            shadow = {v["gate"]: v for v in paused.analyses[-1]["verdicts"]}
+            assert shadow["eval_record"]["outcome"] == "inconclusive"
+            # the probes ran for real against both models through the gateway, and decided: same answers
+            assert shadow["probe_accuracy"]["outcome"] == "pass" and shadow["probe_accuracy"]["samples"] == len(SUMS)
+            assert paused.probes["champion"]["correct"] == len(SUMS) == paused.probes["candidate"]["correct"]
+
+            resumed = deploy("resume", *common, "--waive", "eval_record", home=home)
+            assert resumed.returncode == 0, resumed.stderr[-2000:]
+            assert "waived eval_record" in resumed.stdout
+            canary = _wait_phase(rollout_dir, {"canary", "rolled_back", "promoted"}, timeout=120)
+            status = json.loads(deploy("status", *common, "--json", home=home).stdout)
+            variants = {row["variant"]: row for row in status["variants"]}
+            if canary.phase == "canary":
+                assert variants["baseline"]["version"] == "1" and variants["baseline"]["weight"] == 50
+                assert variants["canary"]["version"] == "2" and variants["canary"]["weight"] == 50
+            done = _wait_phase(rollout_dir, {"rolled_back", "promoted"}, timeout=300)
+        finally:
+            stats = traffic.stop()
+        assert done.phase == "promoted", (done.reason, [a["summary"] for a in done.analyses])
+        assert stats.user_errors == 0
+        canary_look = next(a for a in done.analyses if a["phase"] == "canary")
+        assert {t["variant"] for t in canary_look["traffic"]} >= {"canary", "baseline"}
+        ttft = next(v for v in canary_look["verdicts"] if v["gate"] == "ttft_ratio")
+        assert ttft["threshold"].endswith("× baseline") and ttft["outcome"] == "pass"
+        waive = next(d for d in done.decisions if d["kind"] == "waive")
+        assert waive["detail"] == "eval_record" and waive["actor"].endswith("(deploy CLI)")
+        assert done.waivers["eval_record"]["actor"] == waive["actor"]
+        client = MlflowClient(registry.tracking_uri)
+        tags = client.get_model_version(MODEL, "2").tags
+        assert tags["rollout.waived"].startswith("eval_record by ") and "rollout.waive" not in tags
+        metrics = client.get_run(done.mlflow_run_id).data.metrics
+        assert metrics["baseline.requests"] > 0 and metrics["candidate.requests"] > 0
+    finally:
+        deploy("stop", *common, home=home)
+
+
+def test_probes_roll_back_a_candidate_that_lost_the_skill(tmp_path, taught, tiny_model_dir):
+    model, data = taught
+    registry = register_versions(tmp_path, {"a": model, "b": tiny_model_dir})
+    with fleet(tmp_path, model, tiny_model_dir) as f:
+        traffic = TrafficGenerator(f["gateway_url"], f["user_key"], TrafficSpec(
+            data_dir=str(data), concurrency=3, max_tokens=12), model=MODEL).start()
+        try:
+            controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "b", _probe_plan(data)))
+            state = controller.run_until_done(max_seconds=180)
+        finally:
+            traffic.stop()
+    assert state.phase == "rolled_back", state.reason
+    shadow = {v["gate"]: v for v in state.analyses[-1]["verdicts"]}
+    assert shadow["probe_accuracy"]["outcome"] == "fail" and shadow["probe_accuracy"]["critical"]
+    assert "probe_accuracy" in state.reason
+    assert state.probes["champion"]["correct"] == len(SUMS) and state.probes["candidate"]["correct"] == 0
+    assert StateFile(tmp_path / "rollout").load().phase == "rolled_back"
+    assert time.time() - state.started_at < 180
