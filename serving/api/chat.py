@@ -16,6 +16,7 @@ from serving.api.common import (
     Generation,
     OpenAIServing,
     SamplingFactory,
+    TokenIdsOut,
     finite,
     id_header,
     parse_request,
@@ -90,17 +91,20 @@ class ChatServing(OpenAIServing):
         ctoks = 0
         ended = False
         try:
+            ids = TokenIdsOut(req.return_token_ids, gen)
             for sub in gen.subs:
                 yield sse({**head, "choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+                                                "logprobs": None, "finish_reason": None}], **ids.prompt(sub)})
             async for sub, o in self.merge(gen):
                 ctoks += len(o.delta_token_ids)
+                ids.add(sub, o.delta_token_ids)
                 if not (o.delta_text or o.finished):
                     continue
                 delta = {"content": o.delta_text} if o.delta_text else {}
                 lp = self._logprobs(o.delta_token_ids, o.delta_logprobs, top) if req.logprobs else None
                 yield sse({**head, "choices": [{"index": sub.index, "delta": delta, "logprobs": lp,
-                                                "finish_reason": o.finish_reason if o.finished else None}]})
+                                                "finish_reason": o.finish_reason if o.finished else None,
+                                                **ids.take(sub)}]})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(gen.prompt_tokens, ctoks)})
             ended = True

@@ -16,6 +16,7 @@ from serving.api.common import (
     Generation,
     OpenAIServing,
     SamplingFactory,
+    TokenIdsOut,
     finite,
     id_header,
     parse_request,
@@ -122,15 +123,18 @@ class CompletionServing(OpenAIServing):
         ctoks = 0
         ended = False
         try:
+            ids = TokenIdsOut(req.return_token_ids, gen)
             async for sub, o in self.merge(gen):
                 ctoks += len(o.delta_token_ids)
+                ids.add(sub, o.delta_token_ids)
                 if not (o.delta_text or o.finished or o.delta_token_ids):
                     continue
                 lp = None
                 if req.logprobs is not None and o.delta_logprobs:
                     lp = self._logprobs(o.delta_token_ids, o.delta_logprobs)
                 yield sse({**head, "choices": [{"index": sub.index, "text": o.delta_text, "logprobs": lp,
-                                                "finish_reason": o.finish_reason if o.finished else None}]})
+                                                "finish_reason": o.finish_reason if o.finished else None,
+                                                **ids.take(sub)}], **ids.prompt(sub)})
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(gen.prompt_tokens, ctoks)})
             ended = True

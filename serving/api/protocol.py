@@ -51,6 +51,9 @@ class _Sampling(BaseModel):
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # vLLM's extension: the stream's first chunk carries `prompt_token_ids`, every chunk's choice the `token_ids`
+    # it adds, so a gateway can finish a broken stream on another replica from exactly those tokens
+    return_token_ids: StrictBool = False
     user: str | None = None
 
     @model_validator(mode="after")

@@ -101,6 +101,9 @@ class GatewayConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     access_log: AccessLogConfig = field(default_factory=AccessLogConfig)
+    # ask replicas for token ids on streams (vLLM's return_token_ids; ours has it) so a stream whose replica dies
+    # is finished from exactly its tokens; false for replicas that refuse unknown fields (then: from its text)
+    stream_token_ids: bool = True
     connect_timeout_s: float = 2.0
     upstream_timeout_s: float = 600.0
     log_level: str = "info"

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from serving.gateway.config import GatewayConfig
+from serving.gateway.continuation import Continuation, continuation
 from serving.gateway.errors import GatewayError
 from serving.gateway.keys import ApiKey, KeyStore
 from serving.gateway.metrics import GatewayMetrics
@@ -31,7 +32,7 @@ from serving.gateway.observations import ObservationStore, RequestRecord
 from serving.gateway.ratelimit import RateLimited, RateLimiter, Reservation, estimate_prompt_tokens
 from serving.gateway.routing import VARIANT_NAMES, RoutingStore, choose_variant
 from serving.gateway.shadow import Mirror, ShadowMirror
-from serving.gateway.sse import EventSplitter, StreamReading, read_event, response_text
+from serving.gateway.sse import EventSplitter, StreamReading, read_event, response_text, strip_token_ids
 from serving.gateway.upstream import Attempt, Forwarder, NoReplicaAvailable
 
 log = logging.getLogger("serving.gateway")
@@ -59,6 +60,7 @@ class RequestContext:
     pinned: bool = False
     mirror: Mirror | None = None
     conversation: str | None = None  # short hash of the sticky key, for counting users per variant
+    wants_token_ids: bool = False  # the client asked for return_token_ids itself (else they are stripped)
 
 
 def request_id_of(request: Request) -> str:
@@ -226,8 +228,11 @@ class Proxy:
         stream = body.get("stream") is True
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if isinstance(
             body.get("stream_options"), dict) else False
+        wants_token_ids = body.get("return_token_ids") is True
         if stream:  # ask upstream for usage so tokens are counted; dropped again if the client did not ask
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            if self.config.stream_token_ids:  # to continue a broken stream from its tokens (continuation.py)
+                body["return_token_ids"] = True
         probe = False
         if request.headers.get(PROBE_HEADER) or request.headers.get(PIN_HEADER):
             if not key.admin:
@@ -245,7 +250,7 @@ class Proxy:
                 raise GatewayError(429, f"{exc.what}; retry in {exc.retry_after_header} s", "rate_limit_error",
                                    "rate_limit_exceeded", headers={"retry-after": exc.retry_after_header}) from None
         return RequestContext(request_id, key, path, body, stream, wants_usage, wall_start, perf_start,
-                              reservation, probe)
+                              reservation, probe, wants_token_ids=wants_token_ids)
 
     def _route(self, request: Request, conversation: str | None) -> tuple[list[str], bool]:
         pinned = request.headers.get(PIN_HEADER)
@@ -309,6 +314,7 @@ class Proxy:
         last = None
         status, error = 200, None
         continued = complete = False
+        resumed: Continuation | None = None  # how to read the events of a replica that took over
         try:
             while True:
                 splitter, broke = EventSplitter(), None
@@ -316,6 +322,8 @@ class Proxy:
                     async for chunk in attempt.response.content.iter_any():
                         out = []
                         for payload in splitter.feed(chunk):
+                            if resumed is not None:
+                                payload = resumed.translate(payload)
                             new_text, usage_only = read_event(payload, reading)
                             if reading.error is not None:
                                 break
@@ -330,6 +338,8 @@ class Proxy:
                                 last = now
                             if usage_only and not ctx.wants_usage:
                                 continue
+                            if not ctx.wants_token_ids:
+                                payload = strip_token_ids(payload)
                             out.append(b"data: " + payload + b"\n\n")
                         if out:
                             yield b"".join(out)
@@ -342,7 +352,8 @@ class Proxy:
                     complete = True
                     break
                 # the replica died mid-answer: finish it on another replica (the champion's if need be)
-                nxt = await self._continue_elsewhere(ctx, attempt, reading)
+                resumed = self._continuation(ctx, reading)
+                nxt = None if resumed is None else await self._continue_elsewhere(ctx, attempt, resumed)
                 if nxt is None:
                     status, error = 599, broke
                     yield b"data: " + orjson.dumps(GatewayError(502, "the replica broke off the stream",
@@ -363,19 +374,18 @@ class Proxy:
                 text = reading.text if ctx.mirror is not None else None
                 self._finish(ctx, attempt, status, error, ttft, gaps, text, reading.usage)
 
-    async def _continue_elsewhere(self, ctx: RequestContext, broken: Attempt, reading: StreamReading
+    def _continuation(self, ctx: RequestContext, reading: StreamReading) -> Continuation | None:
+        return None if ctx.pinned else continuation(ctx.path, ctx.body, reading)
+
+    async def _continue_elsewhere(self, ctx: RequestContext, broken: Attempt, resumed: Continuation
                                   ) -> Attempt | None:
-        """Re-open the request on another replica, asking it to continue the partial answer (vLLM's
-        ``continue_final_message`` for chat, the prompt plus the partial text for completions)."""
-        if ctx.pinned:
-            return None
+        """Re-open the request on another replica, asking it to continue the partial answer from its token ids
+        (or, from a replica that sends none, from its text: see continuation.py)."""
         self.forwarder.pools.failed(broken.replica, "broke off a stream")
-        body = continuation_body(ctx.path, ctx.body, reading.text, reading.chunks)
-        if body is None:
-            return None
         order = [broken.variant] if broken.variant == "champion" else [broken.variant, "champion"]
         try:
-            attempt = await self.forwarder.open(ctx.request_id, ctx.path, body, order, ctx.wall_start, stream=True,
+            attempt = await self.forwarder.open(ctx.request_id, resumed.path, resumed.body, order, ctx.wall_start,
+                                                stream=True,
                                                 probe=ctx.probe, exclude=frozenset({broken.replica.url}),
                                                 conversation=ctx.conversation)
         except NoReplicaAvailable:
@@ -434,30 +444,6 @@ class Proxy:
             return
         total = usage.get("total_tokens") if isinstance(usage, dict) else None
         self.limiter.settle(ctx.reservation, float(total) if isinstance(total, int) else None)
-
-
-def continuation_body(path: str, body: dict, partial: str, chunks: int) -> dict | None:
-    """The request that asks a replica to go on from ``partial``; None when that cannot be expressed."""
-    if body.get("n", 1) != 1:
-        return None
-    new = dict(body)
-    for name in ("max_completion_tokens", "max_tokens"):
-        if isinstance(body.get(name), int):
-            new[name] = max(1, body[name] - chunks)  # a chunk carries at least one token
-    if not partial:
-        return new
-    if "chat" in path:
-        new["messages"] = [*body.get("messages", []), {"role": "assistant", "content": partial}]
-        new["add_generation_prompt"] = False
-        new["continue_final_message"] = True
-        return new
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        return None
-    new["prompt"] = prompt + partial
-    return new
 
 
 async def _wait_disconnect(request: Request) -> None:

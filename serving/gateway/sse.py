@@ -19,6 +19,10 @@ DONE = b"[DONE]"
 # a non-empty "text" (completions) or "content" (chat delta) string, with or without spaces around ':'
 _HAS_TEXT = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')
 _HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+# return_token_ids (see continuation.py): read per event with a regex, never a JSON parse on the token path
+_TOKEN_IDS = re.compile(rb'"token_ids"\s*:\s*\[([\d,\s]*)\]')
+_PROMPT_IDS = re.compile(rb'"prompt_token_ids"\s*:\s*\[([\d,\s]*)\]')
+_ANY_IDS = re.compile(rb',\s*"(?:prompt_)?token_ids"\s*:\s*\[[\d,\s]*\]')
 
 
 class EventSplitter:
@@ -47,6 +51,8 @@ class StreamReading:
     events: list[bytes] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None  # when the replica sends ids (return_token_ids)
+    token_ids: list[int] = field(default_factory=list)  # the answer's ids the client has been sent
 
     @property
     def text(self) -> str:
@@ -71,6 +77,8 @@ def read_event(payload: bytes, reading: StreamReading) -> tuple[bool, bool]:
     """Update ``reading`` from one event; returns (carries new text, is a usage-only event)."""
     if payload == DONE:
         return False, False
+    if b'token_ids"' in payload:
+        _read_token_ids(payload, reading)
     if payload.startswith(b'{"error"') or (b'"error"' in payload[:40]):
         try:
             reading.error = orjson.loads(payload).get("error") or {"message": "error event"}
@@ -90,6 +98,24 @@ def read_event(payload: bytes, reading: StreamReading) -> tuple[bool, bool]:
         reading.events.append(payload)
         return True, False
     return False, False
+
+
+def _read_token_ids(payload: bytes, reading: StreamReading) -> None:
+    if reading.prompt_token_ids is None:
+        found = _PROMPT_IDS.search(payload)
+        if found:
+            reading.prompt_token_ids = _ints(found.group(1))
+    for found in _TOKEN_IDS.finditer(payload):
+        reading.token_ids += _ints(found.group(1))
+
+
+def _ints(text: bytes) -> list[int]:
+    return [int(x) for x in text.split(b",") if x.strip()]
+
+
+def strip_token_ids(payload: bytes) -> bytes:
+    """The event without the ids the gateway asked for on the client's behalf."""
+    return _ANY_IDS.sub(b"", payload) if b'token_ids"' in payload else payload
 
 
 def _choice_text(choice: dict[str, Any]) -> str:
