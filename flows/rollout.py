@@ -85,11 +85,18 @@ def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bun
     checks online, in front of traffic, what the fidelity report predicts offline for the 4-bit candidate."""
     from serving.rollout.registry_console import RegistryConsole
 
-    champion = RegistryConsole(model_name, tracking_uri).alias_version("champion")
+    registry = RegistryConsole(model_name, tracking_uri)
+    champion = registry.alias_version("champion")
     if champion == version:
         line = f"version {version} is already champion; nothing to roll out"
         console.print(f"[green]✓ rollout[/] {line}", highlight=False)
         return RolloutOutcome(version, "already-champion", [line])
+    tags = registry.tags(version)
+    if tags.get("rollout.state") == "rolled back":  # a verdict stands until a person asks again
+        line = (f"v{version} was rolled back against v{champion} ({tags.get('rollout.reason', 'see its rollout run')}"
+                f"); not rolled out again: `deploy snapshot models:/{model_name}/{version}` retries by hand")
+        console.print(f"[yellow]- rollout[/] {line}", highlight=False)
+        return RolloutOutcome(version, "rolled-back-before", [line], tags.get("rollout.run"))
     if section.mode == "manual":
         line = (f"v{version} is `candidate`; roll it out with: deploy snapshot models:/{model_name}/{version} "
                 f"--probes {data_dir} --wait")

@@ -77,6 +77,15 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
     assert candidate.tags["lifecycle.gates_passed"] == "true"
     assert str(candidate.version) == str(summary["stages"]["release-gptq"]["version"])
 
+    # The first run has no champion: the fp bundle becomes champion, and the 4-bit candidate is rolled out
+    # against it (the online check of the fidelity report), through a verdict of the controller.
+    rollout = summary["rollout"]
+    fp_version = str(summary["stages"]["release-fp"]["version"])
+    assert rollout["version"] == str(summary["stages"]["release-gptq"]["version"]) != fp_version
+    assert any(f"v{fp_version} is champion (first champion" in line for line in rollout["lines"]), rollout["lines"]
+    assert rollout["result"] in ("promoted", "rolled_back", "paused") and rollout["mlflow_run_id"]
+    assert any("rollout started" in line for line in rollout["lines"])
+
     # Second run: every stage comes from the cache and no stage opens a new MLflow run.
     second = run_lifecycle(micro_recipe, tmp_path / "second.json")
     assert second.returncode == 0, second.stderr[-5000:]
