@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 # After the drain timeout the server ends what is still in flight; this is how long the handlers then
 # get to write their last event before uvicorn cancels them (a client that stopped reading).
 _FINAL_WRITE_S = 5.0
+# How long an idle keep-alive connection stays open (uvicorn's default: 5 s).
+KEEP_ALIVE_S = 5.0
 
 
 def verify_if_bundle(path: Path) -> None:
@@ -86,7 +88,8 @@ def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
         app = build_app(engine, name)
     _log_sampling_defaults(path, engine.sampling_defaults)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config,
-                               access_log=False, timeout_graceful_shutdown=_FINAL_WRITE_S)
+                               access_log=False, timeout_graceful_shutdown=_FINAL_WRITE_S,
+                               timeout_keep_alive=KEEP_ALIVE_S)
     DrainingServer(uv_config, app.state.serving, drain_timeout_s).run()
 
 
