@@ -100,17 +100,25 @@ def pair_counts(window: dict, primary_version: str, shadow_version: str) -> dict
 
 
 def systems_verdicts(window: dict, candidate: tuple[str, str], champion: tuple[str, str], gates: Gates,
-                     alpha: float, min_requests: int, streamed: bool) -> list[Verdict]:
+                     alpha: float, min_requests: int, streamed: bool, rates_window: dict | None = None
+                     ) -> list[Verdict]:
     """Errors, rate limiting and latency of the candidate's variant against ``champion``: the baseline replica
-    in a canary step (or the champion pool where no baseline runs), the champion's same requests in shadow."""
+    in a canary step (or the champion pool where no baseline runs), the champion's same requests in shadow.
+
+    ``rates_window``: where the error and 429 rates are counted, when longer than the step's ``window``. A
+    request fails or not whatever the weight, so a canary phase's rates pool every step so far: +3 points of
+    5xx needs several hundred requests a side to prove, more than one early step holds. Latency depends on
+    the load a share brings, so it is judged on the step's own window."""
     cand, champ = _variant(window, *candidate), _variant(window, *champion)
+    rates = rates_window or window
+    rc, rb = _variant(rates, *candidate), _variant(rates, *champion)
     against = champion[0]
     verdicts = [
-        judge.rate_gate("error_rate", cand["status_5xx"], cand["requests"], champ["status_5xx"], champ["requests"],
+        judge.rate_gate("error_rate", rc["status_5xx"], rc["requests"], rb["status_5xx"], rb["requests"],
                         margin=gates.max_error_rate_increase, alpha=alpha, min_samples=min_requests,
                         label="5xx rate"),
-        judge.rate_gate("rate_limited", cand["status_429"], cand["requests"], champ["status_429"],
-                        champ["requests"], margin=gates.max_rate_limited_increase, alpha=alpha,
+        judge.rate_gate("rate_limited", rc["status_429"], rc["requests"], rb["status_429"],
+                        rb["requests"], margin=gates.max_rate_limited_increase, alpha=alpha,
                         min_samples=min_requests, label="429 rate"),
     ]
     if streamed:

@@ -253,8 +253,12 @@ class Controller:
                                                     state.floor, self.plan.gates, self.alpha,
                                                     self.plan.shadow_min_pairs))
             else:
+                since = self._canary_since()
+                rates = window if since >= state.phase_started_at else self.gateway.window(since, now,
+                                                                                           disagreements=0)
                 verdicts += A.systems_verdicts(window, ("canary", spec.candidate_version), self._reference(),
-                                               self.plan.gates, self.alpha, step.min_requests, streamed=True)
+                                               self.plan.gates, self.alpha, step.min_requests, streamed=True,
+                                               rates_window=rates)
             if not self._behaviour_settled():
                 verdicts += self._behaviour_verdicts()
             candidate_variant = ("shadow" if state.phase == SHADOW else "canary", spec.candidate_version)
@@ -272,6 +276,11 @@ class Controller:
         self._save()
         self._report(result)
         self._decide(result)
+
+    def _canary_since(self) -> float:
+        """When this rollout's canary phase began (its first step): the rate gates count from there."""
+        starts = [d["at"] for d in self.state.decisions if d["kind"] == "phase" and d["to"].startswith("canary")]
+        return min(starts, default=self.state.phase_started_at)
 
     def _reference(self) -> tuple[str, str]:
         """What a canary step is judged against: the baseline replica, or the champion pool without one."""

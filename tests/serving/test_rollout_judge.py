@@ -198,3 +198,23 @@ def test_a_waiver_lets_an_inconclusive_gate_pass_but_never_a_failed_critical_one
     assert critical.outcome == "fail"
     again = analysis.Analysis.from_json(inconclusive.to_json())
     assert again.outcome == "pass" and again.waived == ["eval_record"]
+
+
+def _rates(canary: tuple[int, int], baseline: tuple[int, int]) -> dict:
+    def row(name, requests, errors):
+        return {"variant": name, "version": "2" if name == "canary" else "1", "requests": requests, "keys": 9,
+                "status_5xx": errors, "status_429": 0, "ttft_ms": [], "itl_ms": [], "ms_per_token": []}
+
+    return {"variants": [row("canary", *canary), row("baseline", *baseline)]}
+
+
+def test_canary_error_rates_pool_every_step_so_far():
+    """+4 points of 5xx: one 150-request step cannot prove it against a 1-point tolerance, the phase so far can."""
+    gates = Gates()
+    step = _rates((150, 6), (150, 0))
+    phase = _rates((600, 24), (600, 0))
+    args = (("canary", "2"), ("baseline", "1"), gates, 0.01, 20)
+    alone = analysis.systems_verdicts(step, *args, streamed=True)
+    pooled = analysis.systems_verdicts(step, *args, streamed=True, rates_window=phase)
+    assert alone[0].gate == "error_rate" and alone[0].outcome == "inconclusive"
+    assert pooled[0].outcome == "fail" and pooled[0].samples == 600
