@@ -226,54 +226,57 @@ def test_a_stream_whose_replica_dies_mid_answer_is_finished_by_the_champion(tmp_
             "canary_weight": 100}))
         base = f"http://127.0.0.1:{port}"
         gateway = gateway_process(config, tmp_path / "gateway.log")
-        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}],
-                                                     "return_token_ids": True}),
-                           ("/v1/completions", {"prompt": "Once upon a time"})):
-            canary = engine_process(tiny_model_dir, canary_port, tmp_path / f"canary{len(path)}.log", "b")
-            try:
-                wait_ready(f"http://127.0.0.1:{canary_port}", timeout=180)
-                wait_ready(base, timeout=60)
-                deadline = time.monotonic() + 30  # until the gateway's health poll takes the canary (back)
-                while not all(r["healthy"] for r in httpx.get(f"{base}/admin/routing", headers=bearer(admin)
-                                                              ).json()["replicas"]):
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
-                request = {"model": MODEL, "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True,
-                           "stream_options": {"include_usage": True}, **body}
-                events, killed = [], False
-                with httpx.stream("POST", base + path, json=request, headers=bearer(user), timeout=120) as response:
-                    assert response.headers["x-lifecycle-variant"] == "canary"
-                    for line in response.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        events.append(json.loads(line[6:]))
-                        if len(events) == 20 and not killed:
-                            canary.kill9()
-                            killed = True
-                assert killed and not any("error" in e for e in events)
-                finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
-                assert finishes == ["length"]
-                assert events[-1]["usage"]["completion_tokens"] == 300  # the whole answer, both replicas' part
-                # one seam: the canary's events ("b"), then the champion's ("a"), none lost or repeated
-                models = [e["model"] for e in events]
-                switch = models.index("a")
-                assert set(models[:switch]) == {"b"} and set(models[switch:]) == {"a"}
-                assert all(e["object"] == events[0]["object"] for e in events)  # chat chunks stay chat chunks
-                partial = "".join(_event_text(e) for e in events[:switch])
-                assert partial and len("".join(_event_text(e) for e in events)) > len(partial)
-                direct = _stream_events(champion_url + path, {**request, "model": "a", "return_token_ids": True})
-                if body.get("return_token_ids"):
-                    # token for token the greedy answer a healthy replica gives to the same request, uninterrupted
-                    assert _token_ids(events) == _token_ids(direct) and len(_token_ids(events)) == 300
-                    assert events[0]["prompt_token_ids"] == direct[0]["prompt_token_ids"]
-                else:
-                    assert not any("token_ids" in json.dumps(e) for e in events)  # not asked for: stripped
-                    assert "".join(_event_text(e) for e in direct).startswith(partial)
-            finally:
-                canary.stop()
-        metrics = httpx.get(f"{base}/metrics").text
-        assert 'lifecycle_gateway_fallbacks_total{from_variant="canary",to_variant="champion"} 2.0' in metrics
-        gateway.stop()
+        try:
+            for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}],
+                                                         "return_token_ids": True}),
+                               ("/v1/completions", {"prompt": "Once upon a time"})):
+                canary = engine_process(tiny_model_dir, canary_port, tmp_path / f"canary{len(path)}.log", "b")
+                try:
+                    wait_ready(f"http://127.0.0.1:{canary_port}", timeout=180)
+                    wait_ready(base, timeout=60)
+                    deadline = time.monotonic() + 30  # until the gateway's health poll takes the canary (back)
+                    while not all(r["healthy"] for r in httpx.get(f"{base}/admin/routing", headers=bearer(admin)
+                                                                  ).json()["replicas"]):
+                        assert time.monotonic() < deadline
+                        time.sleep(0.2)
+                    request = {"model": MODEL, "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True,
+                               "stream_options": {"include_usage": True}, **body}
+                    events, killed = [], False
+                    with httpx.stream("POST", base + path, json=request, headers=bearer(user), timeout=120) as response:
+                        assert response.headers["x-lifecycle-variant"] == "canary"
+                        for line in response.iter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            events.append(json.loads(line[6:]))
+                            if len(events) == 20 and not killed:
+                                canary.kill9()
+                                killed = True
+                    assert killed and not any("error" in e for e in events)
+                    finishes = [c["finish_reason"] for e in events for c in e.get("choices", [])
+                                if c.get("finish_reason")]
+                    assert finishes == ["length"]
+                    assert events[-1]["usage"]["completion_tokens"] == 300  # the whole answer, both replicas' part
+                    # one seam: the canary's events ("b"), then the champion's ("a"), none lost or repeated
+                    models = [e["model"] for e in events]
+                    switch = models.index("a")
+                    assert set(models[:switch]) == {"b"} and set(models[switch:]) == {"a"}
+                    assert all(e["object"] == events[0]["object"] for e in events)  # chat chunks stay chat chunks
+                    partial = "".join(_event_text(e) for e in events[:switch])
+                    assert partial and len("".join(_event_text(e) for e in events)) > len(partial)
+                    direct = _stream_events(champion_url + path, {**request, "model": "a", "return_token_ids": True})
+                    if body.get("return_token_ids"):
+                        # token for token the greedy answer a healthy replica gives to the same request, uninterrupted
+                        assert _token_ids(events) == _token_ids(direct) and len(_token_ids(events)) == 300
+                        assert events[0]["prompt_token_ids"] == direct[0]["prompt_token_ids"]
+                    else:
+                        assert not any("token_ids" in json.dumps(e) for e in events)  # not asked for: stripped
+                        assert "".join(_event_text(e) for e in direct).startswith(partial)
+                finally:
+                    canary.stop()
+            metrics = httpx.get(f"{base}/metrics").text
+            assert 'lifecycle_gateway_fallbacks_total{from_variant="canary",to_variant="champion"} 2.0' in metrics
+        finally:
+            gateway.stop()
 
 
 def _token_ids(events: list[dict]) -> list[int]:
