@@ -82,7 +82,9 @@ class Gateway:
                                         sock_read=self.config.upstream_timeout_s)
         self.client = aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(
             limit=2048, limit_per_host=0, keepalive_timeout=60, enable_cleanup_closed=True))
-        forwarder = Forwarder(self.client, self.pools, self.routing, self.store, self.metrics, self.rng)
+        fresh = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
+                                      connector=aiohttp.TCPConnector(force_close=True))
+        forwarder = Forwarder(self.client, self.pools, self.routing, self.store, self.metrics, self.rng, fresh)
         shadow = ShadowMirror(self.client, self.pools, self.routing, self.store, self.metrics,
                               self.config.shadow_mirror, _tokenizer(self.config))
         self.proxy = Proxy(self.config, self.keys, self.routing, forwarder, shadow, self.store, self.metrics,
@@ -101,6 +103,7 @@ class Gateway:
                 await poller
             await shadow.drain()
             await self.client.close()
+            await fresh.close()
             self.store.close()
 
     # ----------------------------------------------------------------- admin

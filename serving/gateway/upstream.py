@@ -72,8 +72,10 @@ class Attempt:
 
 class Forwarder:
     def __init__(self, client: aiohttp.ClientSession, pools: ReplicaPools, routing: RoutingStore,
-                 store: ObservationStore, metrics: GatewayMetrics, rng: random.Random | None = None) -> None:
+                 store: ObservationStore, metrics: GatewayMetrics, rng: random.Random | None = None,
+                 fresh: aiohttp.ClientSession | None = None) -> None:
         self.client = client
+        self.fresh = fresh or client  # a session that never reuses a connection, for the retry in _post
         self.pools = pools
         self.routing = routing
         self.store = store
@@ -107,8 +109,7 @@ class Forwarder:
                     continue
                 replica.in_flight += 1
                 try:
-                    response = await self.client.post(replica.url + path, data=payload, headers={
-                        "content-type": "application/json", "x-request-id": request_id})
+                    response = await self._post(replica.url + path, payload, request_id)
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     replica.in_flight -= 1
                     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -142,6 +143,16 @@ class Forwarder:
             self.metrics.requests.labels(record.variant, record.version, str(record.status)).inc()
         busy = any(r.status == 429 for r in failed) and not any(500 <= r.status < 599 for r in failed)
         raise NoReplicaAvailable(last_reason, all_rate_limited=busy, retry_after=_soonest(retry_afters))
+
+    async def _post(self, url: str, payload: bytes, request_id: str) -> aiohttp.ClientResponse:
+        """POST upstream; a pooled connection the replica closed while idle (its keep-alive ran out first: vLLM's
+        is 5 s) fails before a byte is sent back, so it is retried once on a new connection instead of being
+        counted as the variant's error."""
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        try:
+            return await self.client.post(url, data=payload, headers=headers)
+        except aiohttp.ServerDisconnectedError:  # every idle connection in the pool may be as stale: a new one
+            return await self.fresh.post(url, data=payload, headers=headers)
 
     @staticmethod
     def _failure(request_id: str, variant: str, version: str, replica: Replica, status: int, error: str,

@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -326,8 +327,17 @@ class Controller:
         if items:
             candidate_variant = "shadow" if self.state.phase == SHADOW else "canary"
             self.say(f"probing champion and candidate with {len(items)} verifiable prompts")
-            scores = {"champion": run_probes(self.gateway, "champion", items, self.plan.probes).to_json(),
-                      "candidate": run_probes(self.gateway, candidate_variant, items, self.plan.probes).to_json()}
+            champion = run_probes(self.gateway, "champion", items, self.plan.probes).to_json()
+            if self.state.phase == CANARY and spec.baseline_replicas:
+                # in a canary step the same probes go to the baseline at the same time, so the load they add
+                # falls on both replicas the latency gates compare, not on the candidate's alone
+                with ThreadPoolExecutor(2) as pool:
+                    mirrored = pool.submit(run_probes, self.gateway, "baseline", items, self.plan.probes)
+                    candidate = run_probes(self.gateway, candidate_variant, items, self.plan.probes).to_json()
+                    mirrored.result()
+            else:
+                candidate = run_probes(self.gateway, candidate_variant, items, self.plan.probes).to_json()
+            scores = {"champion": champion, "candidate": candidate}
             self.state.probes = scores
             verdicts += A.probe_verdicts(scores, self.plan.gates, self.alpha)
         record = self.console.eval_record(spec.candidate_version)

@@ -166,3 +166,64 @@ def test_a_disabled_access_log_writes_nothing(tmp_path):
         assert not Path(config.state_dir, "access.log").exists()
     finally:
         access.handlers[:], access.propagate, access.level = saved
+
+
+# ----------------------------------------------------------------------------- a connection closed while idle
+class _ClosesReusedConnections:
+    """A minimal HTTP/1.1 upstream that answers the first request on each connection and drops the connection
+    when a second one arrives on it, as a server whose keep-alive just ran out does (vLLM's is 5 s): a fault
+    injected on purpose, since a real keep-alive race cannot be timed by a test."""
+
+    BODY = b'{"id":"c","object":"text_completion","created":0,"model":"x","choices":[{"index":0,"text":"ok",' \
+           b'"logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,' \
+           b'"total_tokens":2}}'
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.port = free_port()
+        self.dropped = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        self.thread.start()
+
+    async def _serve(self, reader, writer) -> None:
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if served:
+                    self.dropped += 1
+                    break  # the idle connection is gone: no answer, the socket closes
+                body = b'{"ready":true}' if head.startswith(b"GET") else self.BODY
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+                served += 1
+        except Exception:  # noqa: BLE001 - the client went away
+            pass
+        writer.close()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_pooled_connection_the_replica_closed_is_retried_not_counted_as_its_error(tmp_path):
+    upstream = _ClosesReusedConnections()
+    try:
+        with gateway(tmp_path, [f"http://127.0.0.1:{upstream.port}"], eject_after=100) as (base, user, admin, _):
+            since = time.time() - 1
+            answers = [complete(base, user) for _ in range(6)]
+            assert [r.status_code for r in answers] == [200] * 6, answers[-1].text
+            assert upstream.dropped >= 1  # the gateway did reuse connections the upstream then dropped
+            window = httpx.get(f"{base}/admin/window", params={"since": since}, headers=bearer(admin)).json()
+            (row,) = window["variants"]
+            assert row["requests"] == 6 and row["status_5xx"] == 0
+    finally:
+        upstream.close()

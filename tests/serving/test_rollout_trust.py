@@ -160,3 +160,28 @@ def test_probes_roll_back_a_candidate_that_lost_the_skill(tmp_path, taught, tiny
     assert state.probes["champion"]["correct"] == len(SUMS) and state.probes["candidate"]["correct"] == 0
     assert StateFile(tmp_path / "rollout").load().phase == "rolled_back"
     assert time.time() - state.started_at < 180
+
+
+def test_probes_in_a_canary_step_load_the_baseline_as_much_as_the_candidate(tmp_path, taught):
+    """Started at canary, the probes run in the first step: the baseline answers the same probes at the same
+    time as the candidate, so their latencies are compared under the same extra load."""
+    import sqlite3
+
+    model, data = taught
+    registry = register_versions(tmp_path, {"a": model, "a2": model})
+    with fleet(tmp_path, model, model) as f:
+        traffic = TrafficGenerator(f["gateway_url"], f["user_key"], TrafficSpec(
+            data_dir=str(data), users=200, concurrency=3, max_tokens=12), model=MODEL).start()
+        try:
+            spec = spec_for(f, registry, "a", "a2", _probe_plan(data), start="canary")
+            state = Controller.create(tmp_path / "rollout", spec).run_until_done(max_seconds=120)
+        finally:
+            traffic.stop()
+        store = f["gateway"].store
+        store.flush()
+        with sqlite3.connect(store.path) as conn:
+            probes = dict(conn.execute("SELECT variant, COUNT(*) FROM requests WHERE probe = 1 GROUP BY variant"))
+    assert state.phase == "promoted", (state.reason, [a["summary"] for a in state.analyses])
+    assert probes == {"champion": len(SUMS), "canary": len(SUMS), "baseline": len(SUMS)}
+    first = {v["gate"]: v for v in state.analyses[0]["verdicts"]}
+    assert first["probe_accuracy"]["outcome"] == "pass" and first["ttft_ratio"]["threshold"].endswith("baseline")
