@@ -27,8 +27,11 @@ log = logging.getLogger(__name__)
 # After the drain timeout the server ends what is still in flight; this is how long the handlers then
 # get to write their last event before uvicorn cancels them (a client that stopped reading).
 _FINAL_WRITE_S = 5.0
-# How long an idle keep-alive connection stays open (uvicorn's default: 5 s).
-KEEP_ALIVE_S = 5.0
+# How long an idle keep-alive connection stays open: longer than the gateway keeps an idle upstream connection in
+# its pool (60 s), so the gateway drops a connection before the replica closes it. With uvicorn's default (5 s) a
+# replica that got no request or health poll for 5 s closed the connection the gateway would reuse next: a reconnect,
+# or, in the race, a failed request counted against that replica's variant (benchmarks/RESULTS.md, issue 22).
+KEEP_ALIVE_S = 75.0
 
 
 def verify_if_bundle(path: Path) -> None:
