@@ -411,7 +411,7 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
             report.notes.append("rollout:\n\n" + "\n".join(f"    {line}" for line in rollout.lines))
 
         report.total_seconds = time.perf_counter() - started
-        acted = rollout is not None and rollout.result not in ("already-champion", "rolled-back-before", "manual")
+        acted = rollout is not None and rollout.result not in ("already-champion", "decided-before", "manual")
         nothing_new = None if acted else _nothing_new(ctx, data, report)
         if nothing_new:
             report.notes.insert(0, nothing_new)

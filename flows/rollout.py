@@ -68,7 +68,8 @@ def _retire(state) -> None:
 @dataclass
 class RolloutOutcome:
     version: str
-    result: str  # promoted | rolled_back | paused | awaiting_approval | champion-installed | already-champion | manual
+    result: str  # promoted | rolled_back | paused | awaiting_approval | champion-installed | already-champion |
+    #              decided-before (rolled back, paused or awaiting approval at an earlier run) | manual
     lines: list[str] = field(default_factory=list)
     mlflow_run_id: str | None = None
 
@@ -92,11 +93,14 @@ def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bun
         console.print(f"[green]✓ rollout[/] {line}", highlight=False)
         return RolloutOutcome(version, "already-champion", [line])
     tags = registry.tags(version)
-    if tags.get("rollout.state") == "rolled back":  # a verdict stands until a person asks again
-        line = (f"v{version} was rolled back against v{champion} ({tags.get('rollout.reason', 'see its rollout run')}"
-                f"); not rolled out again: `deploy snapshot models:/{model_name}/{version}` retries by hand")
+    state = tags.get("rollout.state", "")
+    if state == "rolled back" or state == "paused" or state.startswith("awaiting approval"):
+        # a verdict stands, and a rollout waiting for a person waits for that person, until someone asks again
+        line = (f"v{version}'s rollout against v{champion} is {state} ({tags.get('rollout.reason', 'see its run')}); "
+                f"not rolled out again by a re-run: decide in the MLflow UI, or `deploy snapshot "
+                f"models:/{model_name}/{version}` to roll it out by hand")
         console.print(f"[yellow]- rollout[/] {line}", highlight=False)
-        return RolloutOutcome(version, "rolled-back-before", [line], tags.get("rollout.run"))
+        return RolloutOutcome(version, "decided-before", [line], tags.get("rollout.run"))
     if section.mode == "manual":
         line = (f"v{version} is `candidate`; roll it out with: deploy snapshot models:/{model_name}/{version} "
                 f"--probes {data_dir} --wait")
