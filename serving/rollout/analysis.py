@@ -164,9 +164,11 @@ def traffic_advice(window: dict, compared: tuple[str, str], weight: float, secon
     if short > 0:
         ways.append(f"a step of ≥ {seconds * min_requests / short:.0f} s at this rate")
     if weight > 0:
-        needed = 100 * min_requests / total_requests  # the share that would have had enough in this window
-        if needed <= 50:
-            ways.append(f"a weight ≥ {max(needed, weight):.0f}%")
+        # the share the short side really got (sticky keys rarely give it exactly its weight), scaled up to enough
+        realized = 100 * short / total_requests
+        needed = 100 * min_requests / total_requests if short == 0 else weight * min_requests / max(short, 1e-9)
+        if weight < needed <= 50:
+            ways.append(f"a weight ≥ {needed:.0f}% (the {weight:g}% step got {realized:.1f}% of requests)")
         expected = total_keys * weight / 100
         if expected < 10:
             ways.append(f"more users (at {weight:g}% about {expected:.1f} of {total_keys} keys land on each side)")

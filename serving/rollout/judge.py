@@ -27,8 +27,9 @@ Tests, chosen for small counts and for what each gate measures:
   binomial test on how many do asks exactly the question the gate states.
 
 Looking at the data after every step would inflate false alarms, so the controller divides ``alpha``
-over the planned analyses (Bonferroni): the whole rollout fails a good candidate with probability at most
-``alpha``, however many steps it has.
+over the planned analyses (Bonferroni): each gate fails a good candidate with probability at most ``alpha``
+over the whole rollout, however many steps it has. (Not the rollout as a whole: a dozen gates each get that
+budget; the tolerance bands keep the real rate far below it, which benchmarks/rollout_calibration.py measures.)
 """
 
 from __future__ import annotations
