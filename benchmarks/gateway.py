@@ -592,17 +592,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("interrupted; stopping the servers", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave servers behind
-        for child in children:
-            child.terminate()
-        for child in children:
-            child.stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if ok and not args.keep_logs:
-            import shutil
+        stop_children(children, logs, remove_logs=ok and not args.keep_logs)
 
-            shutil.rmtree(logs, ignore_errors=True)
+
+def stop_children(children: list, logs: Path, remove_logs: bool) -> None:
+    """Stop every server a run started, deaf to a second Ctrl-C meanwhile (it must not leave servers behind),
+    and drop the logs of a run that went well."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.stop()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if remove_logs:
+        import shutil
+
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 if __name__ == "__main__":

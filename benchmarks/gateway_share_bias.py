@@ -69,6 +69,7 @@ from benchmarks.gateway import (  # noqa: E402
     machine_facts,
     pct,
     scrape,
+    stop_children,
     wait_ready,
 )
 
@@ -501,17 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; stopping the servers", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for child in children:
-            child.terminate()
-        for child in children:
-            child.stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if ok and not args.keep_logs:
-            import shutil
-
-            shutil.rmtree(logs, ignore_errors=True)
+        stop_children(children, logs, remove_logs=ok and not args.keep_logs)
 
 
 if __name__ == "__main__":
