@@ -59,16 +59,19 @@ def test_good_candidate_goes_shadow_canary_promoted(promoted):
                                                "previous-champion": registry.versions["a"]}
     assert routing.champion.version == registry.versions["a2"] and not routing.canary.active
     assert stats.user_errors == 0 and stats.sent > 20
+    # a phase may take more than one look on a loaded machine (an inconclusive look extends it): find each by phase
     floor = state.analyses[0]
     assert floor["phase"] == "baseline" and floor["verdicts"][0]["gate"] == "noise_floor"
-    shadow = {v["gate"]: v for v in state.analyses[1]["verdicts"]}
+    shadow_look = next(a for a in state.analyses if a["phase"] == "shadow")
+    shadow = {v["gate"]: v for v in shadow_look["verdicts"]}
     assert {"error_rate", "ms_per_token_p95_ratio", "agreement", "eval_record"} <= set(shadow)
-    canary = {v["gate"] for v in state.analyses[2]["verdicts"]}
+    canary_look = next(a for a in state.analyses if a["phase"] == "canary")
+    canary = {v["gate"] for v in canary_look["verdicts"]}
     assert {"error_rate", "rate_limited", "ttft_ratio", "itl_ratio"} <= canary
     # the canary was judged against the baseline replica, which took the canary's share of conversations
-    canary_traffic = {t["variant"]: t for t in state.analyses[2]["traffic"]}
+    canary_traffic = {t["variant"]: t for t in canary_look["traffic"]}
     assert canary_traffic["baseline"]["version"] == registry.versions["a"] and canary_traffic["baseline"]["requests"]
-    ttft = next(v for v in state.analyses[2]["verdicts"] if v["gate"] == "ttft_ratio")
+    ttft = next(v for v in canary_look["verdicts"] if v["gate"] == "ttft_ratio")
     assert "against baseline" not in ttft["threshold"] and ttft["threshold"].endswith("× baseline")
     assert not routing.baseline.active  # retired with the rollout
     client = MlflowClient(registry.tracking_uri)
