@@ -82,3 +82,36 @@ def is_format_adherent(reply: str, stopped_on_eos: bool) -> bool:
 
 def is_refusal(reply: str) -> bool:
     return _REFUSAL_RE.search(reply) is not None
+
+
+# --- difficulty slices of a sum ----------------------------------------------------------------------------
+_SUM_PROMPT_RE = re.compile(r"What is (\d+) \+ (\d+)\?")
+
+
+def sum_operands(prompt: str) -> tuple[int, int] | None:
+    """``(37, 48)`` from a prompt that contains ``What is 37 + 48?``; None for any other prompt."""
+    match = _SUM_PROMPT_RE.search(prompt)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def carry_count(a: int, b: int) -> int:
+    """Columns of ``a + b`` that carry into the next one (``37 + 48``: 1, ``99 + 1``: 2)."""
+    carries, carry = 0, 0
+    while a or b:
+        carry = (a % 10 + b % 10 + carry) // 10
+        carries += carry
+        a, b = a // 10, b // 10
+    return carries
+
+
+def difficulty_slices(task: str, prompt: str) -> tuple[str, ...]:
+    """The slices one held-out task counts in: its task, and for a sum its width and number of carries
+    (``("addition", "digits-2", "carries-1")``).
+
+    Why: a stage's gain on the whole set hides *where* it gained; the carries are where column addition goes
+    wrong, so a stage that only gets the easy sums right shows as a flat ``carries-2`` line."""
+    operands = sum_operands(prompt)
+    if operands is None:
+        return (task,)
+    a, b = operands
+    return (task, f"digits-{max(len(str(a)), len(str(b)))}", f"carries-{carry_count(a, b)}")

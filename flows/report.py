@@ -46,6 +46,29 @@ def stage_change_note(label: str, input_label: str, after: dict[str, float], bef
     return f"{label} vs its input ({input_label}): {summary}"
 
 
+SLICED_METRIC = "task_accuracy"
+
+
+def _slice_order(label: str) -> tuple[int, int, str]:
+    """Tasks first, then widths, then carries, each in numeric order (``carries-10`` after ``carries-2``)."""
+    kind, _, number = label.rpartition("-")
+    rank = {"digits": 1, "carries": 2}.get(kind, 0)
+    return (rank, int(number) if rank and number.isdigit() else 0, label)
+
+
+def slice_table(evals: dict[str, dict[str, float]], metric: str = SLICED_METRIC
+                ) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """``metric`` per slice (task, digits, carries) for every evaluated model: the columns and one row per
+    model. Where each stage gained, not only how much; empty when no model has more than one slice."""
+    prefix = f"{metric}/"
+    labels = sorted({key[len(prefix):] for metrics in evals.values() for key in metrics if key.startswith(prefix)},
+                    key=_slice_order)
+    if len(labels) < 2:
+        return [], []
+    return labels, [(model, [_fmt(metrics.get(prefix + label)) for label in labels])
+                    for model, metrics in evals.items()]
+
+
 @dataclass
 class PipelineReport:
     recipe_name: str
@@ -68,6 +91,11 @@ class PipelineReport:
         lines = [f"# {self.recipe_name}: lifecycle results", "", "| model | " + " | ".join(HEADLINE_METRICS) + " |",
                  "|---|" + "---|" * len(HEADLINE_METRICS)]
         lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in self.eval_rows()]
+        columns, rows = slice_table({label: out.metrics for label, out in self.evals.items()})
+        if columns:
+            lines += ["", f"{SLICED_METRIC} by slice (greedy):", "", "| model | " + " | ".join(columns) + " |",
+                      "|---|" + "---:|" * len(columns)]
+            lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
         lines += ["", "| stage | seconds | from cache | output |", "|---|---|---|---|"]
         lines += [f"| {s.stage} | {s.seconds:.1f} | {'yes' if s.cached else 'no'} | `{s.path}` |" for s in self.stages]
         lines += ["", f"Total wall time: {self.total_seconds:.1f} s"]

@@ -63,7 +63,7 @@ def _print_summary(result: dict, seconds: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from flows.report import HEADLINE_METRICS, SHORT_TITLES
+    from flows.report import HEADLINE_METRICS, SHORT_TITLES, SLICED_METRIC, slice_table
 
     console = Console(width=max(Console().width, 110))
     table = Table(title=f"{result['recipe']}: eval results", show_lines=False)
@@ -73,6 +73,15 @@ def _print_summary(result: dict, seconds: float) -> None:
     for label, metrics in result["evals"].items():
         table.add_row(label, *[_fmt(metrics.get(m)) for m in HEADLINE_METRICS])
     console.print(table)
+    columns, rows = slice_table(result["evals"])
+    if columns:
+        sliced = Table(title=f"{SLICED_METRIC} by slice (greedy)")
+        sliced.add_column("model")
+        for column in columns:
+            sliced.add_column(column, justify="right")
+        for label, cells in rows:
+            sliced.add_row(label, *cells)
+        console.print(sliced)
     stages = Table(title="stages")
     for column in ("stage", "seconds", "cached", "output"):
         stages.add_column(column)

@@ -53,6 +53,8 @@ def _build_trainer(ctx: StageContext):
         top_k=0,
         beta=cfg.beta,
         num_iterations=cfg.num_iterations,
+        loss_type=cfg.loss_type,
+        scale_rewards=cfg.scale_rewards,
         reward_weights=weights,
         use_vllm=False,
         log_completions=False,

@@ -108,6 +108,10 @@ class DPOStageConfig(_StageBase):
             raise ValueError(f"sft_weight: must be >= 0, got {self.sft_weight}")
 
 
+LOSS_TYPES = ("dapo", "dr_grpo", "grpo", "bnpo")
+REWARD_SCALINGS = ("group", "batch", "none")
+
+
 @dataclass
 class GRPOStageConfig(_StageBase):
     """Group-relative policy optimisation against verifiable rewards (see training/rewards.py).
@@ -130,9 +134,19 @@ class GRPOStageConfig(_StageBase):
     length_penalty: float = 0.0  # reward −length_penalty per completion token beyond `length_target_tokens`
     length_target_tokens: int = 8
     num_iterations: int = 1
+    # How token losses are averaged (TRL's `loss_type`): "dapo" over the batch's tokens, "dr_grpo" over a
+    # constant, "grpo" per sequence first (biased towards short right answers and long wrong ones).
+    loss_type: str = "dapo"
+    # How rewards are scaled into advantages: by the group's std ("group", GRPO), the batch's ("batch"), or
+    # not at all ("none", Dr. GRPO: an almost-solved prompt then weighs less than a half-solved one).
+    scale_rewards: str = "group"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.scale_rewards not in REWARD_SCALINGS:
+            raise ValueError(f"scale_rewards: must be one of {', '.join(REWARD_SCALINGS)}, got {self.scale_rewards!r}")
         _check_positive(self, "num_generations", "max_completion_length", "temperature", "num_iterations")
         if self.num_generations < 2:
             raise ValueError("num_generations: a group needs at least 2 completions to compare")

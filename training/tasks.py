@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from evals.scoring import ANSWER_PREFIX, answers_match, contract_answer, is_refusal, parse_answer
+from evals.scoring import ANSWER_PREFIX, answers_match, contract_answer, is_refusal, parse_answer, sum_operands
 
 __all__ = ["ANSWER_PREFIX", "answers_match", "contract_answer", "is_refusal", "parse_answer"]  # re-exported
 
@@ -110,9 +110,11 @@ def addition_work(a: int, b: int, carry_slip: bool = False) -> tuple[str, str]:
 
 
 def addition_operands(prompt: str) -> tuple[int, int]:
-    """``(37, 48)`` from ``What is 37 + 48?``."""
-    a, b = prompt.removeprefix("What is ").rstrip("?").split(" + ")
-    return int(a), int(b)
+    """``(37, 48)`` from ``What is 37 + 48?``; a prompt of another shape is a bug in the caller."""
+    operands = sum_operands(prompt)
+    if operands is None:
+        raise ValueError(f"not a sum prompt: {prompt!r}")
+    return operands
 
 
 def _sum_problem(task: str, a: int, b: int) -> _Problem:

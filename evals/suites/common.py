@@ -9,13 +9,16 @@ from evals.results import EvalResult, SliceResult
 
 
 def mean_result(suite: str, metric: str, scores: Sequence[float],
-                strata: Sequence[str] | None = None) -> EvalResult:
-    """Mean of ``scores``; with ``strata`` (one label per score) also the mean per label."""
+                strata: Sequence[str | Sequence[str]] | None = None) -> EvalResult:
+    """Mean of ``scores``; with ``strata`` (one label, or a tuple of labels, per score) also the mean per
+    label. A score with several labels counts in each of their slices (a sum is in its task's slice, its
+    width's and its carries')."""
     slices: dict[str, SliceResult] = {}
     if strata is not None:
         groups: dict[str, list[float]] = defaultdict(list)
-        for label, score in zip(strata, scores, strict=True):
-            groups[label].append(score)
+        for labels, score in zip(strata, scores, strict=True):
+            for label in (labels,) if isinstance(labels, str) else labels:
+                groups[label].append(score)
         slices = {label: SliceResult(value=sum(v) / len(v), n=len(v)) for label, v in groups.items()}
     value = sum(scores) / len(scores) if scores else float("nan")
     return EvalResult(suite=suite, metric=metric, value=value, n=len(scores), slices=slices)

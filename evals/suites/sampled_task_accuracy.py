@@ -17,16 +17,16 @@ from evals.results import EvalResult
 from evals.scoring import is_correct
 from evals.suites.base import Suite
 from evals.suites.common import mean_result
-from evals.suites.task_accuracy import task_records
+from evals.suites.task_accuracy import task_records, task_slices
 
 NAME = "sampled_task_accuracy"
 
 
 def score_samples(records: list[dict], samples: list[list[str]]) -> list[EvalResult]:
     """Mean correctness over every sample (pass@1 estimated from k draws) and the share of prompts with
-    at least one right sample (pass@k), both sliced by task."""
+    at least one right sample (pass@k), both sliced by task and difficulty."""
     right = [[is_correct(text, r["answer"]) for text in texts] for r, texts in zip(records, samples, strict=True)]
-    tasks = [r["task"] for r in records]
+    tasks = task_slices(records)
     return [
         mean_result(NAME, "sampled_task_accuracy", [sum(hits) / len(hits) for hits in right], tasks),
         mean_result(NAME, "task_pass_at_k", [float(any(hits)) for hits in right], tasks),

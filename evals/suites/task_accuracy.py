@@ -6,7 +6,7 @@ from evals.context import EvalContext
 from evals.data import TASKS_FILE
 from evals.generation import Generation
 from evals.results import EvalResult
-from evals.scoring import is_correct
+from evals.scoring import difficulty_slices, is_correct
 from evals.suites.base import Suite
 from evals.suites.common import mean_result
 
@@ -15,6 +15,11 @@ TASK_FIELDS: dict[str, type | tuple[type, ...]] = {"id": str, "task": str, "prom
 
 def task_records(ctx: EvalContext) -> list[dict]:
     return ctx.records(TASKS_FILE, TASK_FIELDS, stratify=lambda r: r["task"])
+
+
+def task_slices(records: list[dict]) -> list[tuple[str, ...]]:
+    """Each record's slices: its task, and for a sum its width and carries (``evals.scoring``)."""
+    return [difficulty_slices(r["task"], r["prompt"]) for r in records]
 
 
 def task_prompts(ctx: EvalContext) -> list[str]:
@@ -27,9 +32,9 @@ def task_generations(ctx: EvalContext) -> tuple[list[dict], list[Generation]]:
 
 
 def score_tasks(records: list[dict], replies: list[str]) -> EvalResult:
-    """Accuracy of ``replies`` against the records' reference answers, sliced by task."""
+    """Accuracy of ``replies`` against the records' reference answers, sliced by task and difficulty."""
     scores = [float(is_correct(text, r["answer"])) for r, text in zip(records, replies, strict=True)]
-    return mean_result("task_accuracy", "task_accuracy", scores, [r["task"] for r in records])
+    return mean_result("task_accuracy", "task_accuracy", scores, task_slices(records))
 
 
 def run(ctx: EvalContext) -> list[EvalResult]:

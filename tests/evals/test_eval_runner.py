@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections import Counter
 
 import pytest
 from eval_testutil import read_jsonl
@@ -12,6 +13,7 @@ from evals.config import EvalConfig
 from evals.errors import EvalError
 from evals.results import metrics_dict
 from evals.runner import run_evals
+from evals.scoring import difficulty_slices
 
 EXPECTED_METRICS = ["task_accuracy", "sampled_task_accuracy", "task_pass_at_k", "format_adherence", "refusal_rate",
                     "over_refusal_rate", "perplexity", "preference_accuracy"]
@@ -25,10 +27,13 @@ def test_full_run_reports_every_metric_over_every_record(micro_results, micro_da
     for name in ("task_accuracy", "sampled_task_accuracy", "task_pass_at_k", "format_adherence"):
         result = by_metric[name]
         assert result.n == len(tasks) and 0.0 <= result.value <= 1.0
-        assert {k: s.n for k, s in result.slices.items()} == {
-            t: sum(r["task"] == t for r in tasks) for t in {r["task"] for r in tasks}}
-        weighted = sum(s.value * s.n for s in result.slices.values()) / result.n
-        assert weighted == pytest.approx(result.value)
+        # accuracy is sliced by task and, for a sum, by its width and carries; format by task only
+        expected: Counter[str] = Counter()
+        for r in tasks:
+            expected.update((r["task"],) if name == "format_adherence" else difficulty_slices(r["task"], r["prompt"]))
+        assert {k: s.n for k, s in result.slices.items()} == expected
+        task_slices = [result.slices[t] for t in {r["task"] for r in tasks}]
+        assert sum(s.value * s.n for s in task_slices) / result.n == pytest.approx(result.value)
     assert by_metric["refusal_rate"].n == sum(r["category"] == "harmful" for r in safety)
     assert by_metric["over_refusal_rate"].n == sum(r["category"] == "lookalike" for r in safety)
     assert by_metric["preference_accuracy"].n == len(read_jsonl(micro_data_dir / "pref_heldout.jsonl"))
@@ -40,7 +45,8 @@ def test_max_examples_caps_each_file_and_keeps_every_slice(micro_base_dir, micro
     config = EvalConfig(suites=["task_accuracy", "safety"], max_examples=4, batch_size=3)
     results = {r.metric: r for r in run_evals(micro_base_dir, micro_data_dir, config)}
     assert set(results) == {"task_accuracy", "refusal_rate", "over_refusal_rate"}
-    assert results["task_accuracy"].n == 4 and {s.n for s in results["task_accuracy"].slices.values()} == {2}
+    tasks = {r["task"] for r in read_jsonl(micro_data_dir / "tasks_heldout.jsonl")}
+    assert results["task_accuracy"].n == 4 and {results["task_accuracy"].slices[t].n for t in tasks} == {2}
     assert results["refusal_rate"].n == results["over_refusal_rate"].n == 2
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from evals.generation import Generation
-from evals.scoring import answers_match, is_correct, is_format_adherent, is_refusal, parse_answer
+from evals.scoring import (answers_match, carry_count, difficulty_slices, is_correct, is_format_adherent, is_refusal,
+                            parse_answer, sum_operands)
 from evals.suites.format_adherence import score_format
 from evals.suites.safety import score_safety
 from evals.suites.task_accuracy import score_tasks
@@ -43,6 +44,28 @@ def test_task_accuracy_counts_right_and_wrong_per_task():
     assert result.slices["addition"].value == pytest.approx(1 / 3) and result.slices["addition"].n == 3
     assert result.slices["reverse"].value == pytest.approx(1 / 2) and result.slices["reverse"].n == 2
     assert is_correct("Answer: 7", "7") and not is_correct("Answer: 8", "7")
+
+
+@pytest.mark.parametrize("a, b, carries", [(12, 34, 0), (37, 48, 1), (99, 1, 2), (999, 1, 3), (505, 505, 2),
+                                             (0, 0, 0), (95, 17, 2)])
+def test_carry_count(a, b, carries):
+    assert carry_count(a, b) == carries
+
+
+def test_sums_are_sliced_by_task_width_and_carries():
+    records = [
+        {"id": "1", "task": "addition", "prompt": "What is 12 + 34?", "answer": "46"},
+        {"id": "2", "task": "addition", "prompt": "What is 37 + 48?", "answer": "85"},
+        {"id": "3", "task": "long_addition", "prompt": "What is 375 + 148?", "answer": "523"},
+        {"id": "4", "task": "reverse", "prompt": "Reverse the word: abc", "answer": "cba"},
+    ]
+    result = score_tasks(records, ["Answer: 46", "Answer: 86", "Answer: 523", "Answer: cba"])
+    by_slice = {name: (s.value, s.n) for name, s in result.slices.items()}
+    assert by_slice == {"addition": (0.5, 2), "long_addition": (1.0, 1), "reverse": (1.0, 1),
+                        "digits-2": (0.5, 2), "digits-3": (1.0, 1),
+                        "carries-0": (1.0, 1), "carries-1": (0.0, 1), "carries-2": (1.0, 1)}
+    assert difficulty_slices("addition", "<|user|>\nWhat is 37 + 48?") == ("addition", "digits-2", "carries-1")
+    assert sum_operands("What is 7 plus 8?") is None
 
 
 @pytest.mark.parametrize("reply, stopped, ok", [
