@@ -1,12 +1,16 @@
-"""GRPO's gain over its input, repeated over seeds: is the pipeline's one GRPO figure signal or luck?
+"""GRPO's gain, repeated over seeds: is the pipeline's one GRPO figure signal or luck?
 
 Runs the recipe's GRPO stage from one input model (the DPO stage's output) once per seed, then scores the
-input and every output on the held-out task prompts: greedy accuracy and sampled accuracy (``--k`` draws
-per prompt at T 1.0, the server's default; the same draws for every model, see ``evals.generation``).
-The table ends with the mean gain and its spread over seeds. Run after ``make run``:
+input, every earlier model you name with ``--earlier`` (SFT, ...) and every GRPO output on the held-out set:
+greedy task accuracy (per slice: digits and carries), sampled accuracy (``--k`` draws per prompt at T 1.0,
+the server's default; the same draws for every model, see ``evals.generation``), refusals of harmful
+prompts and over-refusals of their benign look-alikes. The tables end with the mean gain over the *best*
+earlier model and its spread over seeds, the figure the recipe is tuned against. Run after ``make run``:
 
     .venv/bin/python benchmarks/grpo_repeat.py configs/default.yaml RUN/dpo-KEY/stage RUN/data-KEY/data \\
-        --seeds 0 1 2 --k 16
+        --earlier sft=RUN/sft-KEY/stage --seeds 0 1 2 --k 8
+
+``--set key=value`` overrides a field of the recipe's GRPO section for a sweep (``--set learning_rate=1e-3``).
 """
 
 from __future__ import annotations
@@ -20,21 +24,48 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
+
+HERE = Path(__file__).resolve().parent
+# benchmarks/ holds serving.py: keep the folder off sys.path so `serving` means the project package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))
 
 from artifacts.errors import LifecycleError
 from evals.config import EvalConfig
 from evals.results import metrics_dict
 from evals.runner import run_evals
 from flows.recipe import load_recipe
+from flows.report import slice_table
 from training.grpo import run_grpo
 
-METRICS = ("task_accuracy", "sampled_task_accuracy")
+RATES = ("task_accuracy", "sampled_task_accuracy", "refusal_rate", "over_refusal_rate")
 
 
 def score(model_dir: Path, data_dir: Path, k: int, max_new_tokens: int) -> dict[str, float]:
-    config = EvalConfig(suites=["task_accuracy", "sampled_task_accuracy"], max_new_tokens=max_new_tokens,
+    config = EvalConfig(suites=["task_accuracy", "sampled_task_accuracy", "safety"], max_new_tokens=max_new_tokens,
                         batch_size=64, samples_per_prompt=k)
     return metrics_dict(run_evals(model_dir, data_dir, config))
+
+
+def _override(text: str) -> tuple[str, object]:
+    """``key=value``; numbers as numbers (YAML reads ``1e-3`` as a string), anything else as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected key=value")
+    for number in (int, float):
+        try:
+            return key, number(value)
+        except ValueError:
+            pass
+    return key, yaml.safe_load(value)
+
+
+def _labelled(text: str) -> tuple[str, Path]:
+    label, sep, path = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--earlier {text!r}: expected label=model_dir")
+    return label, Path(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", type=Path)
     parser.add_argument("input_model", type=Path, help="GRPO's input model dir (the DPO stage's output)")
     parser.add_argument("data", type=Path, help="the data stage's output dir")
+    parser.add_argument("--earlier", type=_labelled, action="append", default=[],
+                        help="label=model_dir of an earlier stage to beat (repeatable), e.g. sft=RUN/sft-KEY/stage")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--k", type=int, default=16, help="sampled replies per held-out prompt")
+    parser.add_argument("--k", type=int, default=8, help="sampled replies per held-out prompt")
+    parser.add_argument("--set", type=_override, action="append", default=[], dest="overrides",
+                        help="key=value override of the recipe's GRPO section (repeatable)")
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except LifecycleError as exc:  # a bad recipe, model dir or data dir: one line, no traceback
+    except (LifecycleError, ValueError, TypeError) as exc:  # a bad recipe, override, model or data dir
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -56,28 +91,53 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     torch.set_num_threads(recipe.threads or torch.get_num_threads())
     max_new = recipe.evals.max_new_tokens
-    before = score(args.input_model, args.data, args.k, max_new)
+    grpo = dataclasses.replace(recipe.training.grpo, **dict(args.overrides))
+    earlier = {"input": score(args.input_model, args.data, args.k, max_new)}
+    for label, model_dir in args.earlier:
+        earlier[label] = score(model_dir, args.data, args.k, max_new)
     rows: list[tuple[int, float, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="grpo-repeat-") as tmp:
         for seed in args.seeds:
-            config = dataclasses.replace(recipe.training.grpo, seed=seed)
             started = time.perf_counter()
-            result = run_grpo(config, args.input_model, args.data, Path(tmp) / f"seed{seed}")
-            rows.append((seed, time.perf_counter() - started, score(result.output_dir, args.data, args.k, max_new)))
-    print(f"\nGRPO ({recipe.training.grpo.max_steps} steps) from {args.input_model}; "
-          f"sampled = {args.k} draws per held-out prompt at T 1.0\n")
-    print("| model | seconds | greedy | gain | sampled | gain |")
-    print("|---|---:|---:|---:|---:|---:|")
-    print(f"| input | - | {before['task_accuracy']:.3f} | - | {before['sampled_task_accuracy']:.3f} | - |")
-    for seed, seconds, after in rows:
-        gains = [(after[m] - before[m]) * 100 for m in METRICS]
-        print(f"| GRPO seed {seed} | {seconds:.0f} | {after['task_accuracy']:.3f} | {gains[0]:+.1f} | "
-              f"{after['sampled_task_accuracy']:.3f} | {gains[1]:+.1f} |")
-    for metric in METRICS:
-        gains = [(after[metric] - before[metric]) * 100 for _, _, after in rows]
-        spread = statistics.stdev(gains) if len(gains) > 1 else 0.0
-        print(f"\n{metric}: mean gain {statistics.mean(gains):+.1f} points (sd {spread:.1f}, min {min(gains):+.1f})")
+            result = run_grpo(dataclasses.replace(grpo, seed=seed), args.input_model, args.data, Path(tmp) / f"s{seed}")
+            seconds = time.perf_counter() - started
+            rows.append((seed, seconds, score(result.output_dir, args.data, args.k, max_new)))
+    print_tables(grpo, args, earlier, rows)
     return 0
+
+
+def print_tables(grpo, args: argparse.Namespace, earlier: dict[str, dict[str, float]],
+                 rows: list[tuple[int, float, dict[str, float]]]) -> None:
+    best_label = max(earlier, key=lambda label: earlier[label]["task_accuracy"])
+    best = earlier[best_label]
+    print(f"\nGRPO ({grpo.max_steps} steps x {grpo.batch_size} completions, lr {grpo.learning_rate:g}, "
+          f"T {grpo.temperature:g}) from {args.input_model}; sampled = {args.k} draws per held-out prompt at T 1.0; "
+          f"gains against the best earlier model by greedy accuracy ({best_label})\n")
+    print("| model | seconds | greedy | gain | sampled | gain | refusal | over-refusal |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, m in earlier.items():
+        print(f"| {label} | - | {m['task_accuracy']:.3f} | - | {m['sampled_task_accuracy']:.3f} | - | "
+              f"{m['refusal_rate']:.3f} | {m['over_refusal_rate']:.3f} |")
+    for seed, seconds, m in rows:
+        print(f"| GRPO seed {seed} | {seconds:.0f} | {m['task_accuracy']:.3f} | "
+              f"{(m['task_accuracy'] - best['task_accuracy']) * 100:+.1f} | {m['sampled_task_accuracy']:.3f} | "
+              f"{(m['sampled_task_accuracy'] - best['sampled_task_accuracy']) * 100:+.1f} | "
+              f"{m['refusal_rate']:.3f} | {m['over_refusal_rate']:.3f} |")
+    print()
+    for metric in RATES:
+        values = [m[metric] for _, _, m in rows]
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        print(f"{metric}: mean {statistics.mean(values):.3f} (sd {spread:.3f}, min {min(values):.3f}, "
+              f"max {max(values):.3f}); {best_label} {best[metric]:.3f}")
+    seconds = [s for _, s, _ in rows]
+    print(f"GRPO stage seconds: mean {statistics.mean(seconds):.0f}, max {max(seconds):.0f}")
+    columns, table = slice_table({**earlier, **{f"GRPO seed {seed}": m for seed, _, m in rows}})
+    if columns:
+        print("\ngreedy task accuracy by slice:\n")
+        print("| model | " + " | ".join(columns) + " |")
+        print("|---|" + "---:|" * len(columns))
+        for label, cells in table:
+            print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

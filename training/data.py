@@ -21,6 +21,7 @@ from training.corpus import plain_sentence, task_fact
 from training.loaders import load_local_dataset, user_prompts
 from training.tasks import (
     REFUSAL,
+    SAFETY_TASK,
     SUM_TASKS,
     TASKS,
     SafetyExample,
@@ -54,6 +55,8 @@ class DataConfig:
     pref_train_per_task: int = 300
     pref_heldout_per_task: int = 50
     grpo_per_task: int = 300
+    # Safety prompts per category (harmful, look-alike) in the GRPO set, judged by the refusal reward.
+    grpo_safety_per_category: int = 0
     heldout_per_task: int = 100
     safety_train_per_category: int = 40
     safety_heldout_per_category: int = 16
@@ -74,6 +77,7 @@ class DataConfig:
             if task not in TASKS:
                 raise ValueError(f"tasks: unknown task {task!r} (known: {', '.join(TASKS)})")
         for name in ("sft_per_task", "pref_train_per_task", "pref_heldout_per_task", "grpo_per_task",
+                     "grpo_safety_per_category",
                      "heldout_per_task", "safety_train_per_category", "safety_heldout_per_category",
                      "text_heldout", "calibration"):
             if getattr(self, name) < 0:
@@ -85,7 +89,8 @@ class DataConfig:
 def micro_data_config() -> DataConfig:
     """Small counts for tests (the `micro_data_dir` fixture): every file non-empty, built in a second."""
     return DataConfig(sft_per_task=64, pref_train_per_task=32, pref_heldout_per_task=8, grpo_per_task=32,
-                      heldout_per_task=16, safety_train_per_category=8, safety_heldout_per_category=4,
+                      grpo_safety_per_category=4, heldout_per_task=16, safety_train_per_category=8,
+                      safety_heldout_per_category=4,
                       text_heldout=32, calibration=16, seed=0)
 
 
@@ -178,6 +183,12 @@ def grpo_record(example: TaskExample) -> dict[str, Any]:
     return record
 
 
+def grpo_safety_record(example: SafetyExample) -> dict[str, Any]:
+    """A safety prompt for GRPO: no answer to check, only whether the reply refuses (training.rewards)."""
+    return {"prompt": _user(example.prompt), "answer": "", "task": SAFETY_TASK,
+            "should_refuse": example.should_refuse}
+
+
 def _preference_safety(examples: list[SafetyExample], lookalikes: int | None) -> list[SafetyExample]:
     """All harmful examples and the first ``lookalikes`` look-alikes (all of them when None)."""
     if lookalikes is None:
@@ -225,7 +236,8 @@ def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
         + [sft_record(ex.prompt, safety_reply(ex)) for ex in safety_train],
         "preference": [task_pref_record(ex, rng, i) for i, ex in enumerate(pref_tasks)]
         + [safety_pref_record(ex) for ex in _preference_safety(safety_train, config.safety_pref_lookalikes)],
-        "grpo": [grpo_record(ex) for ex in grpo_tasks],
+        "grpo": [grpo_record(ex) for ex in grpo_tasks]
+        + [grpo_safety_record(ex) for ex in generate_safety("train", config.grpo_safety_per_category, seed + 3)],
     }
     local_paths = {"sft": config.sft_path, "preference": config.preference_path, "grpo": config.grpo_path}
     dropped: dict[str, int] = {}

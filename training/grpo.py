@@ -2,7 +2,8 @@
 score them with the verifiable rewards of training/rewards.py, and push the policy towards the better ones.
 
 The KL reference is the stage's input model (LoRA adapters switched off); `beta: 0` drops it. The mean reward
-per logging step is plotted to `reward_curve.png` (logged to MLflow) so "reward rises" can be seen, not assumed.
+per logging step, and greedy accuracy on held-out prompts every few steps (training/heldout_curve.py), are
+plotted to `reward_curve.png` (logged to MLflow) so "reward rises" and "the skill improved" can be seen.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from artifacts.common.stop_tokens import stop_token_ids
+from training.heldout_curve import METRIC as HELDOUT_METRIC
+from training.heldout_curve import heldout_curve_callback, load_heldout_sample
 from training.lora import keep_adapters_fp32
 from training.rewards import build_reward_functions
 from training.stage_config import GRPOStageConfig, StageResult, TrainingError
@@ -31,8 +34,11 @@ def _to_rows(records: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
             prompt = [{"role": "user", "content": prompt}]
         if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
             raise TrainingError(f"{path}: record {i}: 'prompt' must be a user message or a list of chat turns")
+        should_refuse = record.get("should_refuse", False)
+        if not isinstance(should_refuse, bool):
+            raise TrainingError(f"{path}: record {i}: 'should_refuse' must be true or false")
         rows.append({"prompt": prompt, "answer": str(record["answer"]), "task": str(record.get("task", "")),
-                     "work": str(record.get("work", ""))})
+                     "work": str(record.get("work", "")), "should_refuse": should_refuse})
     return rows
 
 
@@ -43,9 +49,9 @@ def _build_trainer(ctx: StageContext):
     stop_ids = stop_token_ids(ctx.model_dir, ctx.tokenizer)
     funcs, weights = build_reward_functions(cfg.correctness_weight, cfg.format_weight, cfg.length_penalty,
                                             cfg.length_target_tokens, stop_ids, cfg.partial_credit_weight,
-                                            cfg.work_weight)
+                                            cfg.work_weight, cfg.refusal_weight)
     args = GRPOConfig(
-        **{**ctx.args, "remove_unused_columns": False},  # the rewards read the `answer`, `task`, `work` columns
+        **{**ctx.args, "remove_unused_columns": False},  # the rewards read `answer`, `task`, `work`, `should_refuse`
         num_generations=cfg.num_generations,
         max_completion_length=cfg.max_completion_length,
         temperature=cfg.temperature,
@@ -55,13 +61,19 @@ def _build_trainer(ctx: StageContext):
         num_iterations=cfg.num_iterations,
         loss_type=cfg.loss_type,
         scale_rewards=cfg.scale_rewards,
+        top_entropy_quantile=cfg.top_entropy_quantile,
         reward_weights=weights,
         use_vllm=False,
         log_completions=False,
         mask_truncated_completions=False,
     )
+    sample = load_heldout_sample(ctx.data_dir, cfg.heldout_curve_prompts) if ctx.data_dir else None
+    curve = None if sample is None else heldout_curve_callback(sample, ctx.tokenizer, stop_ids,
+                                                               cfg.max_completion_length, cfg.heldout_curve_every)
     trainer = GRPOTrainer(model=ctx.model, reward_funcs=funcs, args=args, train_dataset=ctx.dataset,
-                          processing_class=ctx.tokenizer)
+                          processing_class=ctx.tokenizer, callbacks=[curve] if curve else None)
+    if curve is not None:
+        curve.bind(trainer)
     keep_adapters_fp32(trainer.model, ctx.hw)
     return trainer
 
@@ -123,6 +135,9 @@ def _after_train(ctx: StageContext, history: list[dict[str, Any]]) -> dict[str, 
                "reward_gain": trend.reward_last - trend.reward_first, "reward_hacking_suspected": float(trend.hacked)}
     if trend.correct_first is not None and trend.correct_last is not None:
         metrics.update(correctness_first_third=trend.correct_first, correctness_last_third=trend.correct_last)
+    curve = reward_points(history, HELDOUT_METRIC)
+    if curve:
+        metrics.update(heldout_greedy_accuracy_first=curve[0][1], heldout_greedy_accuracy_last=curve[-1][1])
     if trend.hacked:
         log.warning("grpo: the weighted reward rose %.3f -> %.3f while answer correctness fell %.3f -> %.3f: the "
                     "shaping rewards are being gamed; lower partial_credit_weight / format_weight or the learning "
@@ -137,10 +152,12 @@ def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, label in [("reward", "total (weighted)"), ("rewards/correctness_reward/mean", "correctness"),
+    for key, label in [("reward", "total (weighted)"), ("rewards/correctness_reward/mean", "correctness (sampled)"),
                        ("rewards/format_reward/mean", "format"),
                        ("rewards/partial_credit_reward/mean", "partial credit"),
-                       ("rewards/work_reward/mean", "work lines")]:
+                       ("rewards/work_reward/mean", "work lines"),
+                       ("rewards/refusal_reward/mean", "refusal right"),
+                       (HELDOUT_METRIC, "held-out greedy accuracy")]:
         pts = [(row["step"], row[key]) for row in history if key in row and "step" in row]
         if pts:
             ax.plot(*zip(*pts), marker="o", markersize=2, label=label)

@@ -1,16 +1,26 @@
-"""GRPO reward functions: verifiable answer correctness, chat-format compliance, optional length penalty.
+"""GRPO reward functions: verifiable answer correctness, chat-format compliance, refusing what must be refused
+(and only that), optional length penalty.
 
 Each function follows TRL's reward-function protocol: called with `prompts`, `completions` (conversational:
 a list of `[{"role": "assistant", "content": ...}]`, or plain strings), `completion_ids` and every extra dataset
-column (`answer`, `task`) as keyword lists; returns one float per completion. The answer contract is the one the
-evals check (`evals.scoring.contract_answer`): optional work lines, then one last line `Answer: <answer>`,
-and generation stopped on an eos id.
+column (`answer`, `task`, `should_refuse`) as keyword lists; returns one float per completion, or None where it
+does not apply (TRL then leaves it out of that completion's sum): the task rewards skip safety prompts
+(`task == "safety"`) and the refusal reward skips tasks. The answer contract is the one the evals check
+(`evals.scoring.contract_answer`): optional work lines, then one last line `Answer: <answer>`, and
+generation stopped on an eos id.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from evals.scoring import is_refusal
+from training.tasks import SAFETY_TASK
+
+
+def _tasks(task: Sequence[str] | None, n: int) -> list[str | None]:
+    return list(task) if task is not None else [None] * n
 
 
 def completion_text(completion: Any) -> str:
@@ -39,12 +49,26 @@ def answer_is_correct(reply: str, reference: str, task: str | None = None) -> bo
 
 
 def correctness_reward(completions: Sequence[Any], answer: Sequence[str], task: Sequence[str] | None = None,
-                       **_: Any) -> list[float]:
-    """1.0 when the reply states the reference answer in the `Answer: X` format, else 0.0."""
-    tasks = list(task) if task is not None else [None] * len(completions)
+                       **_: Any) -> list[float | None]:
+    """1.0 when the reply states the reference answer in the `Answer: X` format, else 0.0 (None: a safety prompt)."""
     return [
-        1.0 if answer_is_correct(completion_text(c), ref, t) else 0.0
-        for c, ref, t in zip(completions, answer, tasks)
+        None if t == SAFETY_TASK else 1.0 if answer_is_correct(completion_text(c), ref, t) else 0.0
+        for c, ref, t in zip(completions, answer, _tasks(task, len(completions)))
+    ]
+
+
+def refusal_reward(completions: Sequence[Any], should_refuse: Sequence[bool] | None = None,
+                   task: Sequence[str] | None = None, **_: Any) -> list[float | None]:
+    """1.0 when a safety prompt's reply refuses exactly when it should (a harmful request) and helps when it
+    should not (a benign look-alike), else 0.0; None on task prompts.
+
+    Why in GRPO: the task rewards say nothing about refusals, so a run that only optimises sums drifts them
+    (DPO's refusals are the most fragile thing this pipeline makes); checked by the same `is_refusal` the
+    safety evals use, this is as verifiable as a sum."""
+    flags = list(should_refuse) if should_refuse is not None else [False] * len(completions)
+    return [
+        (1.0 if is_refusal(completion_text(c)) == bool(refuse) else 0.0) if t == SAFETY_TASK else None
+        for c, refuse, t in zip(completions, flags, _tasks(task, len(completions)))
     ]
 
 
@@ -59,7 +83,8 @@ def _similarity(predicted: str | None, reference: str) -> float:
     return sum(a == b for a, b in zip(predicted, reference)) / width
 
 
-def partial_credit_reward(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:
+def partial_credit_reward(completions: Sequence[Any], answer: Sequence[str], task: Sequence[str] | None = None,
+                          **_: Any) -> list[float | None]:
     """Dense, still verifiable shaping: the share of answer characters in the right place.
 
     Gives GRPO a gradient when a weak policy almost never gets a whole answer right (all-zero groups teach
@@ -67,7 +92,8 @@ def partial_credit_reward(completions: Sequence[Any], answer: Sequence[str], **_
     """
     from evals.scoring import parse_answer
 
-    return [_similarity(parse_answer(completion_text(c)), ref) for c, ref in zip(completions, answer)]
+    return [None if t == SAFETY_TASK else _similarity(parse_answer(completion_text(c)), ref)
+            for c, ref, t in zip(completions, answer, _tasks(task, len(completions)))]
 
 
 def _lines(text: str) -> list[str]:
@@ -75,7 +101,7 @@ def _lines(text: str) -> list[str]:
 
 
 def work_reward(completions: Sequence[Any], answer: Sequence[str], work: Sequence[str] | None = None,
-                **_: Any) -> list[float]:
+                task: Sequence[str] | None = None, **_: Any) -> list[float | None]:
     """Process reward: the share of the reference solution's lines (its work lines, then ``Answer: X``) that
     the reply writes in the same place; extra or missing lines count against it.
 
@@ -88,22 +114,28 @@ def work_reward(completions: Sequence[Any], answer: Sequence[str], work: Sequenc
     from training.tasks import compose_reply
 
     works = list(work) if work is not None else [""] * len(completions)
-    scores = []
-    for completion, ref_answer, ref_work in zip(completions, answer, works):
+    scores: list[float | None] = []
+    for completion, ref_answer, ref_work, t in zip(completions, answer, works, _tasks(task, len(completions))):
+        if t == SAFETY_TASK:
+            scores.append(None)
+            continue
         expected = _lines(compose_reply(str(ref_work or ""), str(ref_answer)))
         got = _lines(completion_text(completion))
         scores.append(sum(g == e for g, e in zip(got, expected)) / max(len(got), len(expected)))
     return scores
 
 
-def make_format_reward(eos_token_ids: Sequence[int]) -> Callable[..., list[float]]:
+def make_format_reward(eos_token_ids: Sequence[int]) -> Callable[..., list[float | None]]:
     """Reward 1.0 for a reply that keeps the contract and ended on an eos id (not on the token limit)."""
     eos = set(int(i) for i in eos_token_ids)
 
     def format_reward(completions: Sequence[Any], completion_ids: Sequence[Sequence[int]] | None = None,
-                      **_: Any) -> list[float]:
-        scores = []
-        for i, completion in enumerate(completions):
+                      task: Sequence[str] | None = None, **_: Any) -> list[float | None]:
+        scores: list[float | None] = []
+        for i, (completion, t) in enumerate(zip(completions, _tasks(task, len(completions)))):
+            if t == SAFETY_TASK:  # a refusal has no `Answer:` line, and should not
+                scores.append(None)
+                continue
             ok = extract_answer(completion_text(completion)) is not None
             if ok and completion_ids is not None and eos:
                 ids = list(completion_ids[i])
@@ -130,10 +162,11 @@ def make_length_penalty(per_token: float, target_tokens: int) -> Callable[..., l
 
 def build_reward_functions(correctness_weight: float, format_weight: float, length_penalty: float,
                            length_target_tokens: int, eos_token_ids: Sequence[int],
-                           partial_credit_weight: float = 0.0, work_weight: float = 0.0
-                           ) -> tuple[list[Callable[..., list[float]]], list[float]]:
+                           partial_credit_weight: float = 0.0, work_weight: float = 0.0,
+                           refusal_weight: float = 0.0
+                           ) -> tuple[list[Callable[..., list[float | None]]], list[float]]:
     """The reward functions a GRPO recipe asks for and their weights (a zero weight drops the function)."""
-    funcs: list[Callable[..., list[float]]] = []
+    funcs: list[Callable[..., list[float | None]]] = []
     weights: list[float] = []
     if correctness_weight > 0:
         funcs.append(correctness_reward)
@@ -144,6 +177,9 @@ def build_reward_functions(correctness_weight: float, format_weight: float, leng
     if work_weight > 0:
         funcs.append(work_reward)
         weights.append(work_weight)
+    if refusal_weight > 0:
+        funcs.append(refusal_reward)
+        weights.append(refusal_weight)
     if format_weight > 0:
         funcs.append(make_format_reward(eos_token_ids))
         weights.append(format_weight)
@@ -151,6 +187,7 @@ def build_reward_functions(correctness_weight: float, format_weight: float, leng
         funcs.append(make_length_penalty(length_penalty, length_target_tokens))
         weights.append(1.0)
     if not funcs:
-        raise ValueError("correctness_weight/format_weight/partial_credit_weight/work_weight/length_penalty: "
+        raise ValueError("correctness_weight/format_weight/partial_credit_weight/work_weight/refusal_weight/"
+                         "length_penalty: "
                          "at least one reward must be on")
     return funcs, weights

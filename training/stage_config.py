@@ -131,6 +131,7 @@ class GRPOStageConfig(_StageBase):
     format_weight: float = 0.2
     partial_credit_weight: float = 0.0  # dense shaping: answer characters in place; gameable by one stock answer
     work_weight: float = 0.0  # process reward: share of the reference solution's lines written in place
+    refusal_weight: float = 1.0  # safety prompts in the GRPO set: refuse the harmful, help the look-alikes
     length_penalty: float = 0.0  # reward −length_penalty per completion token beyond `length_target_tokens`
     length_target_tokens: int = 8
     num_iterations: int = 1
@@ -140,6 +141,14 @@ class GRPOStageConfig(_StageBase):
     # How rewards are scaled into advantages: by the group's std ("group", GRPO), the batch's ("batch"), or
     # not at all ("none", Dr. GRPO: an almost-solved prompt then weighs less than a half-solved one).
     scale_rewards: str = "group"
+    # Train only on the completion tokens whose entropy is in this top fraction (1.0: every token). The
+    # tokens where the policy hesitates (which digit to copy, whether to carry) are where replies fork;
+    # the rest is format the policy already writes.
+    top_entropy_quantile: float = 1.0
+    # Greedy accuracy on this many held-out task prompts every `heldout_curve_every` steps, logged as a curve
+    # (training.heldout_curve); 0 turns it off.
+    heldout_curve_prompts: int = 64
+    heldout_curve_every: int = 20
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -147,7 +156,12 @@ class GRPOStageConfig(_StageBase):
             raise ValueError(f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
         if self.scale_rewards not in REWARD_SCALINGS:
             raise ValueError(f"scale_rewards: must be one of {', '.join(REWARD_SCALINGS)}, got {self.scale_rewards!r}")
-        _check_positive(self, "num_generations", "max_completion_length", "temperature", "num_iterations")
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile: must be in (0, 1], got {self.top_entropy_quantile}")
+        if self.heldout_curve_prompts < 0:
+            raise ValueError(f"heldout_curve_prompts: must be >= 0, got {self.heldout_curve_prompts}")
+        _check_positive(self, "num_generations", "max_completion_length", "temperature", "num_iterations",
+                        "heldout_curve_every")
         if self.num_generations < 2:
             raise ValueError("num_generations: a group needs at least 2 completions to compare")
         if self.batch_size % self.num_generations:
@@ -155,7 +169,7 @@ class GRPOStageConfig(_StageBase):
                 f"batch_size: must be a multiple of num_generations ({self.num_generations}), got {self.batch_size}"
             )
         for name in ("beta", "length_penalty", "correctness_weight", "format_weight", "partial_credit_weight",
-                     "work_weight"):
+                     "work_weight", "refusal_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 

@@ -52,6 +52,7 @@ class StageContext:
     model: Any  # PeftModel with fresh adapters
     dataset: Any  # datasets.Dataset in the trainer's format
     args: dict[str, Any]  # TrainingArguments fields common to every stage
+    data_dir: Optional[Path] = None  # the data stage's dir (a stage may read its held-out files to monitor itself)
     artifacts: list[Path] = field(default_factory=list)  # extra files to log to MLflow
 
 
@@ -267,7 +268,8 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
 
     ctx = StageContext(config=config, hw=hw, model_dir=model_dir, output_dir=output_dir,
                        checkpoints_dir=checkpoints_dir, tokenizer=tokenizer, model=model,
-                       dataset=Dataset.from_list(rows), args=_common_args(config, hw, checkpoints_dir))
+                       dataset=Dataset.from_list(rows), args=_common_args(config, hw, checkpoints_dir),
+                       data_dir=data_dir)
     trainer = spec.build_trainer(ctx)
     _quiet_progress(trainer)
     resumed_from_step = 0

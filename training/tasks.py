@@ -23,6 +23,7 @@ Split = Literal["train", "heldout"]
 SPLITS: tuple[str, ...] = ("train", "heldout")
 HELDOUT_PERCENT = 20
 REFUSAL = "I can't help with that."
+SAFETY_TASK = "safety"  # the `task` of a safety prompt in a GRPO set (judged by refusing, not by an answer)
 
 
 @dataclass(frozen=True)

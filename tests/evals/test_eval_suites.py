@@ -106,8 +106,9 @@ def test_likelihood_batches_respect_the_logits_budget(monkeypatch, micro_lm):
 
 
 def test_sampled_accuracy_is_the_mean_over_draws_and_pass_at_k_any_right():
-    records = [{"task": "addition", "answer": "5"}, {"task": "addition", "answer": "7"},
-               {"task": "reverse", "answer": "cba"}]
+    records = [{"task": "addition", "prompt": "What is 2 + 3?", "answer": "5"},
+               {"task": "addition", "prompt": "What is 3 + 4?", "answer": "7"},
+               {"task": "reverse", "prompt": "Reverse the word: abc", "answer": "cba"}]
     samples = [["Answer: 5", "Answer: 5", "Answer: 6", "Answer: 5"],  # 3 of 4
                ["Answer: 1", "Answer: 2", "Answer: 3", "nothing"],  # none
                ["Answer: cba", "Answer: abc", "Answer: abc", "Answer: abc"]]  # 1 of 4
@@ -116,6 +117,7 @@ def test_sampled_accuracy_is_the_mean_over_draws_and_pass_at_k_any_right():
     assert sampled.value == pytest.approx((0.75 + 0.0 + 0.25) / 3) and sampled.n == 3
     assert any_right.value == pytest.approx(2 / 3)
     assert sampled.slices["addition"].value == pytest.approx(0.375) and sampled.slices["reverse"].n == 1
+    assert sampled.slices["digits-1"].n == 2 and any_right.slices["carries-0"].value == pytest.approx(0.5)
 
 
 def test_sampled_suite_draws_k_replies_per_prompt_and_tends_to_greedy_when_cold(micro_lm, micro_data_dir):

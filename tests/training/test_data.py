@@ -21,6 +21,7 @@ from training.data import (
 from training.loaders import DatasetError
 from training.tasks import (
     REFUSAL,
+    SAFETY_TASK,
     SUM_TASKS,
     TaskExample,
     addition_operands,
@@ -64,6 +65,9 @@ def test_schemas_follow_the_contract(micro_data_dir: Path) -> None:
             assert _messages_ok(r["chosen"], {"assistant"}) and _messages_ok(r["rejected"], {"assistant"})
             assert r["chosen"] != r["rejected"]
     for r in read_jsonl(micro_data_dir / "grpo_train.jsonl"):
+        if r["task"] == SAFETY_TASK:  # judged by the refusal reward, not by an answer
+            assert set(r) == {"prompt", "answer", "task", "should_refuse"} and isinstance(r["should_refuse"], bool)
+            continue
         assert set(r) - {"work"} == {"prompt", "answer", "task"} and _messages_ok(r["prompt"], {"user"})
         if r["task"] in SUM_TASKS:  # the work reward checks each line against this
             assert r["work"] == addition_work(*addition_operands(r["prompt"][0]["content"]))[0]
@@ -133,7 +137,8 @@ def test_replies_teach_the_answer_format_and_refusals(micro_data_dir: Path) -> N
             assert is_refusal(chosen) != is_refusal(rejected)
     assert kinds["wrong"] and kinds["format"]
     for r in read_jsonl(micro_data_dir / "grpo_train.jsonl"):
-        assert _solve(r["prompt"][0]["content"]).answer == r["answer"]
+        if r["task"] != SAFETY_TASK:
+            assert _solve(r["prompt"][0]["content"]).answer == r["answer"]
     texts = [r["text"] for r in read_jsonl(micro_data_dir / "calibration.jsonl")]
     assert texts[0] == render_chat(sft[0]["messages"])
 
@@ -193,3 +198,15 @@ def test_dpo_set_can_hold_fewer_lookalike_pairs_than_harmful_ones(tmp_path: Path
     assert safety_pairs(replace(config, safety_pref_lookalikes=0)) == (6, 0)
     with pytest.raises(ValueError, match="^safety_pref_lookalikes"):
         replace(config, safety_pref_lookalikes=-1)
+
+
+def test_grpo_set_can_carry_safety_prompts_for_the_refusal_reward(tmp_path: Path) -> None:
+    config = replace(micro_data_config(), grpo_safety_per_category=5)
+    data = build_datasets(config, tmp_path / "d").path
+    rows = read_jsonl(data / "grpo_train.jsonl")
+    safety = [r for r in rows if r["task"] == SAFETY_TASK]
+    assert sum(r["should_refuse"] for r in safety) == 5 and sum(not r["should_refuse"] for r in safety) == 5
+    assert all(set(r) == {"prompt", "answer", "task", "should_refuse"} and r["answer"] == "" for r in safety)
+    assert len(rows) - len(safety) == config.grpo_per_task * len(config.tasks)
+    heldout = {r["prompt"] for r in read_jsonl(data / "safety_heldout.jsonl")}
+    assert not heldout & {r["prompt"][0]["content"] for r in safety}

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from training.grpo import PLOT_NAME, reward_trend, run_grpo
+from training.heldout_curve import METRIC as HELDOUT_METRIC
 from training.stage_config import GRPOStageConfig, LoraSettings, TrainingError
 
 
@@ -18,17 +19,24 @@ def tiny_grpo(**overrides) -> GRPOStageConfig:
 
 
 def test_grpo_logs_rewards_and_plots_the_curve(micro_base_dir, micro_data_dir, tmp_path):
-    config = tiny_grpo(partial_credit_weight=0.5, work_weight=0.5)
+    config = tiny_grpo(partial_credit_weight=0.5, work_weight=0.5, heldout_curve_prompts=4, heldout_curve_every=2,
+                       loss_type="dr_grpo", scale_rewards="none", top_entropy_quantile=0.5)
     result = run_grpo(config, micro_base_dir, micro_data_dir, tmp_path / "grpo")
     rows = [row for row in result.log_history if "reward" in row]
     assert len(rows) == 3
+    # a step of 2 prompts may hold only sums or only safety prompts: a reward that applies to none of its
+    # completions logs None for that step
+    for name in ("correctness", "format", "partial_credit", "work", "refusal"):  # work: the `work` column
+        means = [row[f"rewards/{name}_reward/mean"] for row in rows]
+        assert all(m is None or 0.0 <= m <= 1.0 for m in means), (name, means)
+        assert name == "refusal" or any(m is not None for m in means)  # 32 sums to 4 safety prompts per category
     for row in rows:
-        assert 0.0 <= row["rewards/correctness_reward/mean"] <= 1.0
-        assert 0.0 <= row["rewards/format_reward/mean"] <= 1.0
-        assert 0.0 <= row["rewards/partial_credit_reward/mean"] <= 1.0
-        assert 0.0 <= row["rewards/work_reward/mean"] <= 1.0  # reads the `work` column of grpo_train.jsonl
         assert row["completions/max_length"] <= 8
         assert "kl" in row  # beta > 0: KL against the input model is computed
+    # the held-out greedy accuracy curve: before the first step, every 2 steps and at the last one
+    curve = [(row["step"], row[HELDOUT_METRIC]) for row in result.log_history if HELDOUT_METRIC in row]
+    assert [step for step, _ in curve] == [0, 2, 3] and all(v in (0.0, 0.25, 0.5, 0.75, 1.0) for _, v in curve)
+    assert result.metrics["heldout_greedy_accuracy_last"] == curve[-1][1]
     plot = result.output_dir / PLOT_NAME
     assert plot.is_file() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"reward_first_third", "reward_last_third", "reward_gain", "reward_hacking_suspected",
@@ -46,7 +54,12 @@ def test_grpo_data_without_answers_is_one_clear_error(micro_base_dir, tmp_path):
                                              ({"num_generations": 1, "batch_size": 4}, "num_generations"),
                                              ({"beta": -0.1}, "beta"),
                                              ({"partial_credit_weight": -1.0}, "partial_credit_weight"),
-                                             ({"work_weight": -0.5}, "work_weight")])
+                                             ({"work_weight": -0.5}, "work_weight"),
+                                             ({"refusal_weight": -1.0}, "refusal_weight"),
+                                             ({"loss_type": "ppo"}, "loss_type"),
+                                             ({"scale_rewards": "std"}, "scale_rewards"),
+                                             ({"top_entropy_quantile": 0.0}, "top_entropy_quantile"),
+                                             ({"heldout_curve_every": 0}, "heldout_curve_every")])
 def test_grpo_config_rejects_bad_values(overrides, field):
     with pytest.raises(ValueError, match=field):
         GRPOStageConfig(**overrides)

@@ -11,9 +11,10 @@ from training.rewards import (
     make_format_reward,
     make_length_penalty,
     partial_credit_reward,
+    refusal_reward,
     work_reward,
 )
-from training.tasks import generate_examples
+from training.tasks import REFUSAL, SAFETY_TASK, generate_examples, helpful_reply
 
 EOS = [6, 1]
 
@@ -99,6 +100,24 @@ def test_build_reward_functions_drops_zero_weights():
     assert weights == [1.0, 0.3, 0.7, 0.5, 1.0]
     with pytest.raises(ValueError, match="at least one reward"):
         build_reward_functions(0.0, 0.0, 0.0, 8, EOS)
+    funcs, weights = build_reward_functions(1.0, 0.2, 0.0, 8, EOS, refusal_weight=2.0)
+    assert [f.__name__ for f in funcs] == ["correctness_reward", "refusal_reward", "format_reward"]
+    assert weights == [1.0, 2.0, 0.2]
+
+
+def test_refusal_reward_judges_safety_prompts_and_the_task_rewards_skip_them():
+    """Mixed batch as TRL passes it: a harmful and a look-alike safety prompt, then a sum. None means the
+    function does not apply to that completion (TRL leaves it out of the weighted sum)."""
+    replies = [REFUSAL, helpful_reply("kite"), REFUSAL, helpful_reply("bomb"), "7+8=15\n3+4+1=8\nAnswer: 85"]
+    columns = {"task": [SAFETY_TASK] * 4 + ["addition"], "should_refuse": [True, False, False, True, False],
+               "answer": ["", "", "", "", "85"], "work": ["", "", "", "", "7+8=15\n3+4+1=8"]}
+    completions = [chat(r) for r in replies]
+    ids = [[5, 6]] * len(replies)
+    assert refusal_reward(completions, **columns) == [1.0, 1.0, 0.0, 0.0, None]
+    assert correctness_reward(completions, **columns) == [None, None, None, None, 1.0]
+    assert partial_credit_reward(completions, **columns) == [None, None, None, None, 1.0]
+    assert work_reward(completions, **columns) == [None, None, None, None, 1.0]
+    assert make_format_reward(EOS)(completions, completion_ids=ids, **columns) == [None, None, None, None, 1.0]
 
 
 # Replies the two former matchers (training's int()/exact-string one, the eval's float() one) scored
