@@ -157,6 +157,13 @@ def _quiet_progress(trainer: Any) -> None:
         trainer.add_callback(BarOnly)
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (every device) the way the trainer will, before anything draws from them."""
+    from transformers import set_seed
+
+    set_seed(seed)
+
+
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -255,6 +262,9 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     hw = detect_hardware()
     configure_threads()
     tokenizer = _load_tokenizer(model_dir)
+    # The trainer seeds the RNGs only when it is built, after the adapters exist: without this the LoRA A
+    # matrices took whatever state the process was in, and one recipe trained different models run to run.
+    seed_everything(config.seed)
     model = attach_adapters(load_base_model(model_dir, config.lora, hw), config.lora)  # checks targets, 4-bit
     lengths = measure_lengths(rows, tokenizer, config.max_seq_len)
     if lengths.overlong:

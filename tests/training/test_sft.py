@@ -78,6 +78,20 @@ def test_changed_recipe_retrains_instead_of_skipping(micro_base_dir, micro_data_
     assert not second.skipped and max(r["step"] for r in second.log_history) == 3
 
 
+def test_one_recipe_trains_the_same_model_whatever_the_process_drew_before(micro_base_dir, micro_data_dir, tmp_path):
+    """The LoRA A matrices are random: they must come from the recipe's seed, not from the process's RNG state
+    (a pipeline draws from it in earlier stages; unseeded, one recipe gave SFT 0.60 and 0.78 on the same data)."""
+    torch.manual_seed(123)
+    first = run_sft(tiny_sft(max_steps=2), micro_base_dir, micro_data_dir, tmp_path / "a")
+    torch.rand(1000)  # what an earlier stage of the process might have drawn
+    second = run_sft(tiny_sft(max_steps=2), micro_base_dir, micro_data_dir, tmp_path / "b")
+    a, b = (load_file(str(r.adapter_dir / "adapter_model.safetensors")) for r in (first, second))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    other = run_sft(tiny_sft(max_steps=2, seed=1), micro_base_dir, micro_data_dir, tmp_path / "c")
+    c = load_file(str(other.adapter_dir / "adapter_model.safetensors"))
+    assert any(not torch.equal(a[k], c[k]) for k in a)  # the seed is what decides
+
+
 def test_disabled_stage_hands_its_input_on(micro_base_dir, micro_data_dir, tmp_path):
     result = run_sft(tiny_sft(enabled=False), micro_base_dir, micro_data_dir, tmp_path / "sft")
     assert result.skipped and result.output_dir == micro_base_dir and result.adapter_dir is None
