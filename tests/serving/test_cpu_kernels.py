@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from serving.engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels
+from serving.engine import EngineConfig, LLMEngine, SamplingParams, cpp_build, cpu_kernels
 from serving.engine.attention import AttentionMetadata, DecodeGroup, bucket_by_length, paged_attention
 
 kernels = cpu_kernels.load()
@@ -198,7 +198,7 @@ def test_load_respects_the_switch(monkeypatch):
 def test_no_compiler_means_torch_path(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "_kernels", None)
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpp_build.shutil, "which", lambda name: None)
     assert cpu_kernels.load() is None
 
 

@@ -1,0 +1,73 @@
+"""Compile one of the engine's C++ extensions (``serving/engine/csrc/*.cpp``) for this CPU, or say it cannot be.
+
+``build`` runs ``torch.utils.cpp_extension.load`` on the file (cached under ``~/.cache/torch_extensions``, about
+30 s the first time; flags include ``-march=native``) when a C++ compiler is present. The extension's name, and
+so its cache directory, carries a hash of this CPU's feature flags and of the source: a cache shared between
+hosts never hands one host's binary to another, and a changed .cpp builds afresh. ``build`` returns None, and
+the caller keeps its torch path, when there is no compiler, the build fails, or ``LLM_LIFECYCLE_CPU_KERNELS=0``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "LLM_LIFECYCLE_CPU_KERNELS"  # "0" keeps the pure-torch ops
+CSRC = Path(__file__).with_name("csrc")
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags: the build uses -march=native, so the binary is only good for this flag set."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return flags or platform.processor() or platform.machine()
+
+
+def build_tag(source: Path) -> str:
+    """Short hash of this CPU's flags and the source's bytes: the build cache key besides the extension's name."""
+    return hashlib.sha1(_cpu_flags().encode() + b"\0" + source.read_bytes()).hexdigest()[:10]
+
+
+def build(name: str, source: Path) -> ModuleType | None:
+    """Compile ``source`` for this CPU (cached per CPU-flag set and source), or None when it cannot be built here:
+    no compiler, a failed build, or ``LLM_LIFECYCLE_CPU_KERNELS=0``. Callers keep their torch path on None."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("CPU kernels (%s) disabled by %s=0", name, ENV_SWITCH)
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.info("no C++ compiler: %s unavailable, torch ops are used", name)
+        return None
+    if not source.is_file():
+        log.warning("CPU kernels %s: %s is missing (an install without package data?); torch ops are used", name,
+                    source)
+        return None
+    from torch.utils.cpp_extension import load
+
+    # -fopenmp: at::parallel_for splits work over threads only when the extension itself is built with OpenMP
+    # (without it the pragma inside ATen's header is ignored and every kernel runs on one thread); the extension
+    # then binds to the libgomp torch already loaded, so both share one thread pool. A compiler without OpenMP
+    # still gets the kernels, single-threaded.
+    attempts = [("", ["-fopenmp"], ["-fopenmp"]), ("_serial", ["-fopenmp-simd"], [])]
+    for suffix, cflags, ldflags in attempts:
+        try:
+            module = load(f"{name}_{build_tag(source)}{suffix}", sources=[str(source)],
+                          extra_cflags=["-O3", "-march=native", *cflags], extra_ldflags=ldflags)
+        except Exception as e:  # any build or load failure: try the next flags, then the torch path
+            log.warning("CPU kernels %s did not build with %s (%s: %s)", name, " ".join(cflags),
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            continue
+        if suffix:
+            log.warning("CPU kernels %s built without OpenMP: they run on one thread", name)
+        return module
+    log.warning("CPU kernels %s unavailable; torch ops are used", name)
+    return None
