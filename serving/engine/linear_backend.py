@@ -3,9 +3,10 @@
 Why: both libraries ship inside torch's x86 wheels and both can hold a weight in a packed layout prepared
 once at load time. On Intel CPUs MKL's packed sgemm (``mkl::_mkl_linear``, the op inductor uses for frozen
 fp32 linears) beats oneDNN's packed inner product at every row count the engine runs: 1.1-2.3x at one row
-(a batch-1 decode), 4-22% at 64 rows (a 64-stream decode step), up to 6% at 512 (a prefill chunk); figures in
-``benchmarks/RESULTS.md`` (session 16). On AMD CPUs MKL's sgemm was the slower of the two (Run 4), so there
-oneDNN stays.
+(a batch-1 decode), 4-22% at 64 rows (a 64-stream decode step), up to 6% at 512 (a prefill chunk), one
+projection at a time on 2 threads. On an AMD CPU MKL's sgemm was the slower of the two (unpacked ``F.linear``
+against packed oneDNN, every projection of one forward: 3% slower at one row, 2.4-3.4x from 4 rows up), so
+there oneDNN stays.
 
 MKL packs B for an ``m`` given at packing time, and ``mkl::_mkl_linear`` only uses the packed weight when
 called with that same ``m``; torch passes the row count through, so the engine passes every call's own row

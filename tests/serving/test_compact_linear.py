@@ -1,4 +1,4 @@
-"""compact_llama.Linear computes what F.linear computes, for any row count, with each CPU GEMM library:
+"""compact_llama.DenseLinear computes what F.linear computes, for any row count, with each CPU GEMM library:
 MKL's packed sgemm (the choice on Intel CPUs), oneDNN's packed inner product (elsewhere) and plain F.linear."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serving.engine.compact_llama import Linear
+from serving.engine.compact_llama import DenseLinear
 from serving.engine.linear_backend import GEMM_ENV, cpu_vendor, mkl_packed_works
 
 BACKENDS = [pytest.param("mkl", marks=pytest.mark.skipif(not mkl_packed_works(), reason="torch without MKL")),
@@ -22,7 +22,7 @@ def test_linear_matches_f_linear(bias, backend):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g) * 0.05
     b = torch.randn(96, generator=g) if bias else None
-    lin = Linear(w, b, backend)
+    lin = DenseLinear(w, b, backend)
     assert lin.backend == backend and lin.packed == (backend != "plain") and lin.nbytes == w.numel() * 4
     for rows in (0, 1, 3, 17, 64, 130, 600):  # a packed MKL weight serves every row count, not only 64
         x = torch.randn(rows, 64, generator=g)
@@ -35,15 +35,15 @@ def test_the_gemm_library_follows_the_cpu_and_the_override(monkeypatch):
     w = torch.randn(16, 8)
     monkeypatch.delenv(GEMM_ENV, raising=False)
     intel = cpu_vendor() == "GenuineIntel" and mkl_packed_works()
-    assert Linear(w).backend == ("mkl" if intel else "onednn" if torch.backends.mkldnn.is_available() else "plain")
+    assert DenseLinear(w).backend == ("mkl" if intel else "onednn" if torch.backends.mkldnn.is_available() else "plain")
     monkeypatch.setenv(GEMM_ENV, "onednn")
-    assert Linear(w).backend != "mkl"
+    assert DenseLinear(w).backend != "mkl"
     monkeypatch.setenv(GEMM_ENV, "cublas")
     with pytest.raises(ValueError, match=GEMM_ENV):
-        Linear(w)
+        DenseLinear(w)
 
 
 def test_linear_falls_back_to_f_linear_for_fp16():
     w = torch.randn(8, 4).half()
-    lin = Linear(w)
+    lin = DenseLinear(w)
     assert not lin.packed and lin.weight is w
