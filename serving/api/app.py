@@ -94,8 +94,18 @@ def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool =
         client = AsyncEngine(engine, metrics)
     client.metrics = metrics
     state = ServerState(engine, client, metrics, model_name)
-    completions, chat = CompletionServing(state), ChatServing(state)
+    app = FastAPI(title="llm-lifecycle engine", version="1", lifespan=_lifespan(state, warmup),
+                  description="OpenAI-compatible completions and chat over the continuous-batching engine.")
+    app.state.serving = state
+    app.openapi = lambda: _openapi(app)
+    _add_error_handlers(app)
+    _add_status_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
 
+
+def _lifespan(state: ServerState, warmup: bool):
+    """Start the engine client with the app (and warm it up), ready only then; stop it when the app stops."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.async_engine.start(asyncio.get_running_loop())
@@ -108,11 +118,11 @@ def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool =
             state.ready = False
             state.async_engine.stop()
 
-    app = FastAPI(title="llm-lifecycle engine", version="1", lifespan=lifespan,
-                  description="OpenAI-compatible completions and chat over the continuous-batching engine.")
-    app.state.serving = state
-    app.openapi = lambda: _openapi(app)
+    return lifespan
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI error body: ours, the engine's bad input, and FastAPI's own 404 and 405."""
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return error_response(e)
@@ -134,6 +144,9 @@ def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool =
     async def _bad_method(request: Request, e: Exception):
         return error_response(APIError(405, f"method {request.method} not allowed on {request.url.path}"))
 
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /ready, /metrics and /v1/models: what the gateway, the fleet and Prometheus ask."""
     @app.get("/health", responses={503: _error("The engine stopped (its thread failed or its process died).")})
     async def health():
         if not state.async_engine.alive:
@@ -149,16 +162,22 @@ def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool =
         return JSONResponse({"ready": False, "draining": state.async_engine.draining}, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus text exposition, vLLM's metric names (see the README).",
+             responses={200: {"description": "Prometheus text exposition, vLLM's metric names (see docs/serving.md).",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "llm-lifecycle", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "llm-lifecycle",
+                                            "max_model_len": state.engine.max_model_len}]}
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/completions and /v1/chat/completions, with the request and answer schemas the OpenAPI shows."""
+    completions, chat = CompletionServing(state), ChatServing(state)
 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest),
               responses=_generation_responses(CompletionResponse))
@@ -169,8 +188,6 @@ def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool =
               responses=_generation_responses(ChatCompletionResponse))
     async def v1_chat(request: Request):
         return await chat.create(request)
-
-    return app
 
 
 async def _warmup(state: ServerState) -> None:

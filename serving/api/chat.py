@@ -3,35 +3,28 @@ logprobs with ``top_logprobs``, SSE streaming, and vLLM's ``continue_final_messa
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api.common import (
-    SSE_DONE,
     APIError,
     Generation,
     OpenAIServing,
     SamplingFactory,
+    SubRequest,
     TokenIdsOut,
     finite,
-    id_header,
-    parse_request,
-    read_json_body,
-    request_id,
-    sse,
     usage,
 )
-from serving.api.protocol import ChatCompletionRequest, error_body
+from serving.api.protocol import ChatCompletionRequest
+from serving.engine import RequestOutput
 
 
 class ChatServing(OpenAIServing):
     async def create(self, request: Request) -> Any:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_json_body(request))
-        self.check_model(req.model)
+        req: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
         ids = self._prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
@@ -39,17 +32,16 @@ class ChatServing(OpenAIServing):
         top = req.top_logprobs or 0
         make = SamplingFactory(req, self.state.engine.sampling_defaults, max_tokens,
                                top if req.logprobs else None, None)
-        gen = self.start(f"chatcmpl-{request_id(request)}", int(time.time()), [ids], make)
+        gen = self.start(request, "chatcmpl", [ids], make)
         if req.stream:
-            return StreamingResponse(self._stream(req, gen, top), media_type="text/event-stream",
-                                     headers=id_header(request))
+            return self.respond(request, self._stream(req, gen, top))
         outs = await self.gather(gen, request)
         choices = [{"index": sub.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": self._logprobs(o.token_ids, o.outputs[0].logprobs, top) if req.logprobs else None,
                     "finish_reason": o.finish_reason} for sub, o in zip(gen.subs, outs)]
         body = {"id": gen.id, "object": "chat.completion", "created": gen.created, "model": self.state.model_name,
                 "choices": choices, "usage": usage(gen.prompt_tokens, sum(len(o.token_ids) for o in outs))}
-        return JSONResponse(body, headers=id_header(request))
+        return self.respond(request, body)
 
     def _prompt(self, req: ChatCompletionRequest) -> list[int]:
         tok = self.tok
@@ -85,33 +77,22 @@ class ChatServing(OpenAIServing):
                             "top_logprobs": alts})
         return {"content": content}
 
-    async def _stream(self, req: ChatCompletionRequest, gen: Generation, top: int) -> AsyncIterator[str]:
+    def _stream(self, req: ChatCompletionRequest, gen: Generation, top: int) -> AsyncIterator[str]:
         head = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created,
                 "model": self.state.model_name}
-        ctoks = 0
-        ended = False
-        try:
-            ids = TokenIdsOut(req.return_token_ids, gen)
-            for sub in gen.subs:
-                yield sse({**head, "choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}], **ids.prompt(sub)})
-            async for sub, o in self.merge(gen):
-                ctoks += len(o.delta_token_ids)
-                ids.add(sub, o.delta_token_ids)
-                if not (o.delta_text or o.finished):
-                    continue
-                delta = {"content": o.delta_text} if o.delta_text else {}
-                lp = self._logprobs(o.delta_token_ids, o.delta_logprobs, top) if req.logprobs else None
-                yield sse({**head, "choices": [{"index": sub.index, "delta": delta, "logprobs": lp,
-                                                "finish_reason": o.finish_reason if o.finished else None,
-                                                **ids.take(sub)}]})
-            if req.stream_options and req.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(gen.prompt_tokens, ctoks)})
-            ended = True
-            yield SSE_DONE
-        except APIError as e:  # an engine failure, or the server shutting down (503): say so, then end
-            ended = True
-            yield sse(error_body(e.message, e.type, e.param, e.status))
-            yield SSE_DONE
-        finally:
-            self.stream_ended_early(gen, ended)
+        ids = TokenIdsOut(req.return_token_ids, gen)
+
+        def opening() -> list[dict[str, Any]]:  # the role first, once per choice
+            return [{"choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}], **ids.prompt(sub)} for sub in gen.subs]
+
+        def chunk(sub: SubRequest, o: RequestOutput) -> dict[str, Any] | None:
+            if not (o.delta_text or o.finished):
+                return None
+            delta = {"content": o.delta_text} if o.delta_text else {}
+            lp = self._logprobs(o.delta_token_ids, o.delta_logprobs, top) if req.logprobs else None
+            return {"choices": [{"index": sub.index, "delta": delta, "logprobs": lp,
+                                 "finish_reason": o.finish_reason if o.finished else None, **ids.take(sub)}]}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return self.sse_stream(gen, head, ids, include_usage, chunk, opening)

@@ -14,13 +14,14 @@ import json
 import logging
 import math
 import re
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from serving.api.async_engine import EngineClient, EngineDeadError, RequestAbortedError
@@ -281,6 +282,19 @@ class OpenAIServing:
         if name is not None and name != self.state.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "not_found_error", "model")
 
+    async def read(self, request: Request, model_cls: type[BaseModel]) -> Any:
+        """The body as a ``model_cls`` request for this server's model (an APIError, 400 or 404, if not)."""
+        req = parse_request(model_cls, await read_json_body(request))
+        self.check_model(req.model)
+        return req
+
+    @staticmethod
+    def respond(request: Request, answer: dict[str, Any] | AsyncIterator[str]) -> Response:
+        """The whole answer as JSON, or a stream of SSE events; either carries the client's X-Request-Id back."""
+        if isinstance(answer, dict):
+            return JSONResponse(answer, headers=id_header(request))
+        return StreamingResponse(answer, media_type="text/event-stream", headers=id_header(request))
+
     def _submit(self, rid: str, ids: list[int], params: SamplingParams) -> asyncio.Queue:
         s = self.state
         try:
@@ -297,9 +311,12 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable") from e
 
-    def start(self, answer_id: str, created: int, prompts: list[list[int]], make: SamplingFactory) -> Generation:
-        """One engine request per (prompt, choice); on any failure abort those already added."""
-        gen = Generation(answer_id, created, prompts, [])
+    def start(self, request: Request, kind: str, prompts: list[list[int]], make: SamplingFactory) -> Generation:
+        """One engine request per (prompt, choice); on any failure abort those already added.
+
+        The answer's id is ``<kind>-<request id>`` (``cmpl``, ``chatcmpl``)."""
+        answer_id = f"{kind}-{request_id(request)}"
+        gen = Generation(answer_id, int(time.time()), prompts, [])
         try:
             for pi, ids in enumerate(prompts):
                 for c in range(make.n):
@@ -365,6 +382,37 @@ class OpenAIServing:
         finally:
             for t in getters:
                 t.cancel()
+
+    async def sse_stream(self, gen: Generation, head: dict[str, Any], ids: TokenIdsOut, include_usage: bool,
+                         chunk: Callable[[SubRequest, RequestOutput], dict[str, Any] | None],
+                         opening: Callable[[], Iterable[dict[str, Any]]] = tuple) -> AsyncIterator[str]:
+        """The SSE body of a streamed answer: ``opening()`` chunks, then ``chunk(sub, output)`` for each engine
+        output (None: nothing to send yet), the usage chunk when asked, and ``[DONE]``.
+
+        Each chunk is merged over ``head`` (id, object, created, model). An engine failure or the server
+        shutting down (an APIError, 503) is sent as an error event before ``[DONE]``; whatever way the stream
+        ends, the engine requests still running are aborted."""
+        ctoks = 0
+        ended = False
+        try:
+            for body in opening():
+                yield sse({**head, **body})
+            async for sub, o in self.merge(gen):
+                ctoks += len(o.delta_token_ids)
+                ids.add(sub, o.delta_token_ids)
+                body = chunk(sub, o)
+                if body is not None:
+                    yield sse({**head, **body})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(gen.prompt_tokens, ctoks)})
+            ended = True
+            yield SSE_DONE
+        except APIError as e:  # an engine failure, or the server shutting down (503): say so, then end
+            ended = True
+            yield sse(error_body(e.message, e.type, e.param, e.status))
+            yield SSE_DONE
+        finally:
+            self.stream_ended_early(gen, ended)
 
     def stream_ended_early(self, gen: Generation, ended: bool) -> None:
         """The `finally` of every stream: abort what still runs; a stream that did not reach its end (the

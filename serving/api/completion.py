@@ -3,35 +3,28 @@ with prompt ``logprobs`` (lm-evaluation-harness scores with it), SSE streaming."
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving.api.common import (
-    SSE_DONE,
     APIError,
     Generation,
     OpenAIServing,
     SamplingFactory,
+    SubRequest,
     TokenIdsOut,
     finite,
-    id_header,
-    parse_request,
-    read_json_body,
-    request_id,
-    sse,
     usage,
 )
-from serving.api.protocol import CompletionRequest, error_body
+from serving.api.protocol import CompletionRequest
+from serving.engine import RequestOutput
 
 
 class CompletionServing(OpenAIServing):
     async def create(self, request: Request) -> Any:
-        req: CompletionRequest = parse_request(CompletionRequest, await read_json_body(request))
-        self.check_model(req.model)
+        req: CompletionRequest = await self.read(request, CompletionRequest)
         if req.suffix:
             raise APIError(400, "suffix: not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -42,11 +35,10 @@ class CompletionServing(OpenAIServing):
         lp = req.logprobs
         make = SamplingFactory(req, self.state.engine.sampling_defaults, req.max_tokens, lp,
                                lp if (req.echo and lp is not None) else None)
-        gen = self.start(f"cmpl-{request_id(request)}", int(time.time()), prompts, make)
+        gen = self.start(request, "cmpl", prompts, make)
         if req.stream:
-            return StreamingResponse(self._stream(req, gen), media_type="text/event-stream",
-                                     headers=id_header(request))
-        return JSONResponse(await self._full(request, req, gen, texts), headers=id_header(request))
+            return self.respond(request, self._stream(req, gen))
+        return self.respond(request, await self._full(request, req, gen, texts))
 
     def _prompts(self, p: Any) -> tuple[list[list[int]], list[str | None]]:
         """Token ids of each prompt, and the client's own text of each (None for token-id prompts)."""
@@ -118,30 +110,19 @@ class CompletionServing(OpenAIServing):
         return {"id": gen.id, "object": "text_completion", "created": gen.created, "model": self.state.model_name,
                 "choices": choices, "usage": usage(gen.prompt_tokens, sum(len(o.token_ids) for o in outs))}
 
-    async def _stream(self, req: CompletionRequest, gen: Generation) -> AsyncIterator[str]:
+    def _stream(self, req: CompletionRequest, gen: Generation) -> AsyncIterator[str]:
         head = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": self.state.model_name}
-        ctoks = 0
-        ended = False
-        try:
-            ids = TokenIdsOut(req.return_token_ids, gen)
-            async for sub, o in self.merge(gen):
-                ctoks += len(o.delta_token_ids)
-                ids.add(sub, o.delta_token_ids)
-                if not (o.delta_text or o.finished or o.delta_token_ids):
-                    continue
-                lp = None
-                if req.logprobs is not None and o.delta_logprobs:
-                    lp = self._logprobs(o.delta_token_ids, o.delta_logprobs)
-                yield sse({**head, "choices": [{"index": sub.index, "text": o.delta_text, "logprobs": lp,
-                                                "finish_reason": o.finish_reason if o.finished else None,
-                                                **ids.take(sub)}], **ids.prompt(sub)})
-            if req.stream_options and req.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(gen.prompt_tokens, ctoks)})
-            ended = True
-            yield SSE_DONE
-        except APIError as e:  # an engine failure, or the server shutting down (503): say so, then end
-            ended = True
-            yield sse(error_body(e.message, e.type, e.param, e.status))
-            yield SSE_DONE
-        finally:
-            self.stream_ended_early(gen, ended)
+        ids = TokenIdsOut(req.return_token_ids, gen)
+
+        def chunk(sub: SubRequest, o: RequestOutput) -> dict[str, Any] | None:
+            if not (o.delta_text or o.finished or o.delta_token_ids):
+                return None
+            lp = None
+            if req.logprobs is not None and o.delta_logprobs:
+                lp = self._logprobs(o.delta_token_ids, o.delta_logprobs)
+            return {"choices": [{"index": sub.index, "text": o.delta_text, "logprobs": lp,
+                                 "finish_reason": o.finish_reason if o.finished else None, **ids.take(sub)}],
+                    **ids.prompt(sub)}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return self.sse_stream(gen, head, ids, include_usage, chunk)
