@@ -1,4 +1,4 @@
-"""`/metrics` is valid Prometheus exposition, and every family it exposes is documented in the README."""
+"""`/metrics` is valid Prometheus exposition, and every family it exposes is documented in docs/serving.md."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving.engine import EngineConfig
 from tests.serving.test_api_server import MODEL, running_server
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SERVING_DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +21,13 @@ def server(tiny_model_dir):
         yield s
 
 
-def readme_metric_table() -> dict[str, str]:
-    """`vllm:*` family → type, from the table in the README's "Serving" section."""
-    text = README.read_text()
-    section = text[text.index("\n## Serving"):]
+def documented_metric_table() -> dict[str, str]:
+    """`vllm:*` family → type, from the table in docs/serving.md's "Metrics" section."""
+    text = SERVING_DOC.read_text()
+    section = text[text.index("\n## Metrics"):]
     section = section[:section.index("\n## ", 1)]
     rows = re.findall(r"^\|\s*`(vllm:[^`]+)`\s*\|\s*(\w+)\s*\|", section, re.MULTILINE)
-    assert rows, "no metric table in the README's Serving section"
+    assert rows, "no metric table in docs/serving.md's Metrics section"
     return dict(rows)
 
 
@@ -42,7 +42,7 @@ def test_metrics_parse_as_prometheus_text_and_are_all_documented(server):
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(resp.text)}
     assert families and all(name.startswith("vllm:") for name in families), sorted(families)
-    documented = readme_metric_table()
+    documented = documented_metric_table()
     assert set(families) == set(documented), {"undocumented": sorted(set(families) - set(documented)),
                                               "documented but not exposed": sorted(set(documented) - set(families))}
     for name, family in families.items():
