@@ -20,6 +20,7 @@ import mlflow
 from prefect import flow
 
 from artifacts.common.mlflow_batch import log_batch
+from artifacts.common.workdir import sqlite_artifact_root
 from artifacts.errors import LifecycleError
 from flows.environment import Workdir, resolve_workdir
 from flows.notify import notify_failure
@@ -349,7 +350,7 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
     workdir = resolve_workdir(recipe.workdir)
     _configure_threads(recipe.threads)
     mlflow.set_tracking_uri(workdir.tracking_uri())
-    _use_experiment(recipe.name, workdir)
+    _use_experiment(recipe.name)
     report = PipelineReport(recipe_name=recipe.name)
 
     with mlflow.start_run(run_name=f"{recipe.name}-pipeline") as parent:
@@ -501,14 +502,12 @@ def _configure_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _use_experiment(name: str, workdir: Workdir) -> None:
-    """Artifacts go under the workdir (not ./mlruns of whatever directory the user stands in)."""
+def _use_experiment(name: str) -> None:
+    """Artifacts go beside the sqlite store (the workdir's ``mlartifacts/``), not ./mlruns of the directory the
+    user stands in."""
     client = mlflow.MlflowClient()
     if client.get_experiment_by_name(name) is None:
-        artifact_root = None
-        if mlflow.get_tracking_uri().startswith("sqlite:"):
-            artifact_root = (workdir.mlflow_artifacts / name).as_uri()
-        client.create_experiment(name, artifact_location=artifact_root)
+        client.create_experiment(name, artifact_location=sqlite_artifact_root(mlflow.get_tracking_uri(), name))
     mlflow.set_experiment(name)
 
 

@@ -12,7 +12,7 @@ import queue
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +207,3 @@ class ObservationStore:
             "(same_answer = 0) DESC, similarity ASC LIMIT ?", (since, until, limit))
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]
-
-
-def record_json(record: RequestRecord | PairRecord) -> dict[str, Any]:
-    return asdict(record)

@@ -1,8 +1,10 @@
 """``python -m serving.rollout run DIR``: drive the rollout persisted in DIR to its end, without Prefect.
 
 The orchestrated way is ``lifecycle rollout run DIR`` (the same loop as a Prefect flow); this entry is for
-hosts without the pipeline's stack and for the crash drills. Exit status: 0 promoted, 3 rolled back,
-4 paused or waiting for a person when ``--until-terminal`` is not given, 2 a user error.
+hosts without the pipeline's stack and for the crash drills. It ticks until the rollout is promoted or rolled
+back; a paused rollout, or one waiting for approval, keeps polling for a person's decision, until
+``--max-seconds`` (when given) runs out. Exit status: 0 promoted, 3 rolled back, 4 not finished when
+``--max-seconds`` ran out (still running, paused or waiting for a person), 2 a user error.
 """
 
 from __future__ import annotations
@@ -30,13 +32,10 @@ def _register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from serving.rollout.controller import Controller
+    from serving.rollout.state import exit_status
 
     controller = Controller(args.dir, say=lambda line: print(line, flush=True))
     return exit_status(controller.run_until_done(args.max_seconds).phase)
-
-
-def exit_status(phase: str) -> int:
-    return {"promoted": 0, "rolled_back": 3}.get(phase, 4)
 
 
 if __name__ == "__main__":

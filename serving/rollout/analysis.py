@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from artifacts.common.stats import quantile
 from serving.rollout import judge
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS, Verdict
 from serving.rollout.plan import Gates, RolloutPlan
@@ -295,7 +296,7 @@ def metrics_of(analysis_verdicts: list[Verdict], window: dict, candidate: tuple[
             out[f"{prefix}.error_rate"] = row["status_5xx"] / row["requests"]
         for name in ("ttft_ms", "itl_ms", "ms_per_token"):
             for q in (0.5, 0.95):
-                value = judge.quantile(row[name], q)
+                value = quantile(row[name], q)
                 if value is not None:
                     out[f"{prefix}.{name}_p{round(q * 100)}"] = value
     for v in analysis_verdicts:

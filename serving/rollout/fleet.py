@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import httpx
 import yaml
 
 from artifacts.common.atomic import atomic_write_json, atomic_write_text
+from artifacts.common.net import free_port, wait_until_ready
 from serving.rollout.state import RolloutError
 
 FLEET_FILE = "fleet.json"
@@ -68,23 +68,11 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for(url: str, timeout: float, proc_pid: int | None = None, log: str | Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc_pid is not None and not pid_alive(proc_pid):
-            break
-        time.sleep(0.2)
+    """Return once ``url`` answers 200; a process that exits first, or the timeout, raises with its last log line."""
+    alive = None if proc_pid is None else (lambda: pid_alive(proc_pid))
+    if wait_until_ready(url, timeout, alive=alive, interval=0.2) is None:
+        return
     tail = ""
     if log and Path(log).is_file():
         lines = [ln for ln in Path(log).read_text(errors="replace").splitlines() if ln.strip()]

@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.stats import binomtest, mannwhitneyu, norm
 
+from artifacts.common.stats import quantile
+
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 
 
@@ -93,15 +95,6 @@ def rate_gate(gate: str, bad_candidate: int, n_candidate: int, bad_baseline: int
                        f"(p={p_value:.2g})", critical)
     return Verdict(gate, PASS, p_c, p_b, rule, p_value, n, min_samples,
                    f"{label} {p_c:.3f} vs {p_b:.3f} (within {margin:g})", critical)
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def latency_gate(gate: str, candidate: list[float], baseline: list[float], *, max_ratio: float, alpha: float,

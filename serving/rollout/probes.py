@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from evals.scoring import is_correct, is_format_adherent, is_refusal
 from serving.rollout.gateway_client import GatewayAdmin
 from serving.rollout.plan import Probes
@@ -75,12 +77,15 @@ def run_probes(gateway: GatewayAdmin, variant: str, items: list[ProbeItem], spec
                 "max_tokens": spec.max_tokens}
         try:
             response = gateway.ask(variant, body)
-        except Exception:  # noqa: BLE001 - an unreachable replica is a probe error, counted
+        except httpx.HTTPError:  # unreachable, timed out, broke off: a probe error, counted
             return item, None, False
         if response.status_code != 200:
             return item, None, False
-        choice = response.json()["choices"][0]
-        return item, choice["message"]["content"] or "", choice.get("finish_reason") == "stop"
+        try:
+            choice = response.json()["choices"][0]
+            return item, choice["message"]["content"] or "", choice.get("finish_reason") == "stop"
+        except (ValueError, LookupError, TypeError):  # a 200 that is not a chat completion: a probe error
+            return item, None, False
 
     score = ProbeScore()
     with ThreadPoolExecutor(spec.concurrency) as pool:

@@ -10,6 +10,7 @@ both. MLflow keeps no alias history, so every move is also written to the rollou
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -23,6 +24,7 @@ WAIVE_TAG = "rollout.waive"  # comma-separated gate names a person waives (and s
 WAIVED_TAG = "rollout.waived"  # what the controller shows back: the gates waived, by whom
 ACTIONS = ("promote", "rollback", "pause", "resume")
 ALIASES = ("champion", "canary", "shadow", "previous-champion")
+log = logging.getLogger("serving.rollout")
 
 
 class RegistryConsole:
@@ -109,22 +111,21 @@ class RegistryConsole:
         record: dict[str, Any] = {"passed": tags["lifecycle.gates_passed"] == "true",
                                   "summary": tags.get("lifecycle.gates", "")}
         mv = self._call(f"reading version {version}", self.client.get_model_version, self.model_name, str(version))
-        if mv.run_id:
-            try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    path = self.client.download_artifacts(mv.run_id, "eval_record.json", tmp)
-                    stored = json.loads(Path(path).read_text())
-                    record["metrics"] = stored.get("metrics", {})
-                    record["results"] = stored.get("results") or []
-            except Exception:  # noqa: BLE001 - an older version without the artifact: the verdict is enough
-                pass
-        return record
-
-    def version_exists(self, version: str) -> bool:
+        if not mv.run_id:
+            return record
         from mlflow.exceptions import MlflowException
 
         try:
-            self.client.get_model_version(self.model_name, str(version))
-            return True
-        except MlflowException:
-            return False
+            with tempfile.TemporaryDirectory() as tmp:
+                path = self.client.download_artifacts(mv.run_id, "eval_record.json", tmp)
+                stored = json.loads(Path(path).read_text())
+        except MlflowException:  # a version released before eval_record.json was logged: the verdict is enough
+            return record
+        except (OSError, ValueError) as exc:  # there but unreadable: judge on the verdict, and say so
+            log.warning("%s v%s: cannot read eval_record.json (%s); judging on the gates verdict alone",
+                        self.model_name, version, exc)
+            return record
+        if isinstance(stored, dict):
+            record["metrics"] = stored.get("metrics", {})
+            record["results"] = stored.get("results") or []
+        return record

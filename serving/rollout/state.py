@@ -133,6 +133,12 @@ class RolloutState:
         return cls(**data)
 
 
+def exit_status(phase: str) -> int:
+    """What a command that drove or followed a rollout exits with: 0 promoted, 3 rolled back, 4 still running,
+    paused or waiting for a person."""
+    return {PROMOTED: 0, ROLLED_BACK: 3}.get(phase, 4)
+
+
 def new_rollout_id(candidate_version: str) -> str:
     return f"v{candidate_version}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 

@@ -9,20 +9,12 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from artifacts.common.mlflow_batch import log_batch
+from artifacts.common.workdir import sqlite_artifact_root
 from artifacts.errors import RegistryError
 
 EXPERIMENT = "rollouts"
-
-
-def _artifact_root(tracking_uri: str) -> str | None:
-    """For a sqlite store, keep artifacts next to the database (not in whatever directory we stand in)."""
-    if tracking_uri.startswith("sqlite:"):
-        db = Path(urlparse(tracking_uri).path)
-        return (db.parent / "mlartifacts" / EXPERIMENT).resolve().as_uri()
-    return None
 
 
 class RolloutRun:
@@ -40,7 +32,7 @@ class RolloutRun:
         try:
             experiment = self.client.get_experiment_by_name(EXPERIMENT)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-                EXPERIMENT, artifact_location=_artifact_root(self.tracking_uri))
+                EXPERIMENT, artifact_location=sqlite_artifact_root(self.tracking_uri, EXPERIMENT))
             run = self.client.create_run(experiment_id, run_name=name, tags={"lifecycle.kind": "rollout", **tags})
             self.run_id = run.info.run_id
             for key, value in params.items():

@@ -6,37 +6,22 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import uvicorn
+
+from artifacts.common.net import free_port, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_ready(url: str, timeout: float = 180.0, path: str = "/ready") -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{url}{path} never became ready")
-        time.sleep(0.05)
+    if wait_until_ready(url + path, timeout, interval=0.05) is not None:
+        raise AssertionError(f"{url}{path} never became ready")
 
 
 @contextlib.contextmanager
