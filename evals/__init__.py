@@ -7,35 +7,16 @@ import without torch: the gateway and the CLI's ``--help`` read them without pay
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from artifacts.common.lazy import lazy_exports
 
-_EXPORTS = {
-    "EvalConfig": "evals.config",
-    "EvalError": "evals.errors",
-    "Gate": "evals.gates",
-    "GateCheck": "evals.gates",
-    "GateReport": "evals.gates",
-    "check_gates": "evals.gates",
-    "parse_gate": "evals.gates",
-    "EvalResult": "evals.results",
-    "SliceResult": "evals.results",
-    "markdown_table": "evals.results",
-    "metrics_dict": "evals.results",
-    "read_results_json": "evals.results",
-    "results_to_json": "evals.results",
-    "write_results_json": "evals.results",
-    "run_evals": "evals.runner",
-    "SUITES": "evals.suites",
-    "suite_names": "evals.suite_names",
-    "log_results": "evals.tracking",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'evals' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __all__ = lazy_exports(__name__, {
+    "evals.config": ["EvalConfig"],
+    "evals.errors": ["EvalError"],
+    "evals.gates": ["Gate", "GateCheck", "GateReport", "check_gates", "parse_gate"],
+    "evals.results": ["EvalResult", "SliceResult", "markdown_table", "metrics_dict", "read_results_json",
+                      "results_to_json", "write_results_json"],
+    "evals.runner": ["run_evals"],
+    "evals.suites": ["SUITES"],
+    "evals.suite_names": ["suite_names"],
+    "evals.tracking": ["log_results"],
+})

@@ -19,32 +19,18 @@ The names below load on first use (PEP 562): the light modules (``config``, ``er
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "100000")
 
-_EXPORTS = {
-    "EngineConfig": "serving.engine.config",
-    "LLMEngine": "serving.engine.engine",
-    "EngineDrainingError": "serving.engine.errors",
-    "EngineError": "serving.engine.errors",
-    "InvalidRequestError": "serving.engine.errors",
-    "ModelLoadError": "serving.engine.errors",
-    "QueueFullError": "serving.engine.errors",
-    "CompletionOutput": "serving.engine.outputs",
-    "EngineStats": "serving.engine.outputs",
-    "RequestOutput": "serving.engine.outputs",
-    "SamplingParams": "serving.engine.sampling_params",
-}
+from artifacts.common.lazy import lazy_exports  # noqa: E402 (after the OpenMP defaults, which must come first)
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'serving.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __all__ = lazy_exports(__name__, {
+    "serving.engine.config": ["EngineConfig"],
+    "serving.engine.engine": ["LLMEngine"],
+    "serving.engine.errors": ["EngineDrainingError", "EngineError", "InvalidRequestError", "ModelLoadError",
+                              "QueueFullError"],
+    "serving.engine.outputs": ["CompletionOutput", "EngineStats", "RequestOutput"],
+    "serving.engine.sampling_params": ["SamplingParams"],
+})
