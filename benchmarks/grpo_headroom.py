@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from evals.config import EvalConfig
 from evals.context import EvalContext
 from evals.data import TASKS_FILE
 from evals.errors import EvalError
@@ -120,8 +121,9 @@ def model_label(model_dir: Path) -> str:
 
 def measure(model_dir: Path, data_dir: Path, k: int, temperature: float, max_new_tokens: int,
             batch_size: int) -> Headroom:
-    ctx = EvalContext(lm=load_model(model_dir), data_dir=data_dir, max_new_tokens=max_new_tokens,
-                      batch_size=batch_size, samples_per_prompt=k, sample_temperature=temperature)
+    limits = EvalConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, samples_per_prompt=k,
+                        sample_temperature=temperature)
+    ctx = EvalContext(lm=load_model(model_dir), data_dir=data_dir, config=limits)
     records = task_records(ctx)
     prompts = [ctx.user_prompt(r["prompt"]) for r in records]
     greedy = [is_correct(g.text, r["answer"]) for g, r in zip(ctx.generate(prompts, desc="greedy"), records,

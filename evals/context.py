@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evals.config import EvalConfig
 from evals.data import Record, read_jsonl, take_stratified
 from evals.generation import Generation, generate_replies
 from evals.model import LoadedModel
@@ -20,12 +21,7 @@ from evals.model import LoadedModel
 class EvalContext:
     lm: LoadedModel
     data_dir: Path
-    max_examples: int | None = None
-    max_new_tokens: int = 16
-    batch_size: int = 32
-    samples_per_prompt: int = 4
-    sample_temperature: float = 1.0
-    sample_seed: int = 0
+    config: EvalConfig = field(default_factory=EvalConfig)  # the limits: max_examples, max_new_tokens, ...
     _files: dict[str, list[Record]] = field(default_factory=dict, repr=False)
     _replies: dict[str, Generation] = field(default_factory=dict, repr=False)
     _samples: dict[str, list[Generation]] = field(default_factory=dict, repr=False)
@@ -37,13 +33,14 @@ class EvalContext:
         drawn across the strata named by ``stratify`` so every slice keeps examples."""
         if filename not in self._files:
             self._files[filename] = read_jsonl(self.data_dir / filename, required, check)
-        return take_stratified(self._files[filename], self.max_examples, stratify)
+        return take_stratified(self._files[filename], self.config.max_examples, stratify)
 
     def generate(self, prompts: list[str], desc: str) -> list[Generation]:
         """Greedy replies to templated prompts; prompts seen before in this run are not generated again."""
         todo = list(dict.fromkeys(p for p in prompts if p not in self._replies))
         if todo:
-            fresh = generate_replies(self.lm, todo, self.max_new_tokens, self.batch_size, desc=desc)
+            c = self.config
+            fresh = generate_replies(self.lm, todo, c.max_new_tokens, c.batch_size, desc=desc)
             self._replies.update(zip(todo, fresh, strict=True))
         return [self._replies[p] for p in prompts]
 
@@ -52,10 +49,9 @@ class EvalContext:
         like :meth:`generate`; all prompts' samples go through one packed, sorted pass."""
         todo = list(dict.fromkeys(p for p in prompts if p not in self._samples))
         if todo:
-            k = self.samples_per_prompt
-            flat = generate_replies(self.lm, [p for p in todo for _ in range(k)], self.max_new_tokens,
-                                    self.batch_size, desc=desc, temperature=self.sample_temperature,
-                                    seed=self.sample_seed)
+            c, k = self.config, self.config.samples_per_prompt
+            flat = generate_replies(self.lm, [p for p in todo for _ in range(k)], c.max_new_tokens, c.batch_size,
+                                    desc=desc, temperature=c.sample_temperature, seed=c.sample_seed)
             self._samples.update((p, flat[i * k:(i + 1) * k]) for i, p in enumerate(todo))
         return [self._samples[p] for p in prompts]
 

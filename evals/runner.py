@@ -38,10 +38,7 @@ def run_evals(model_dir: str | Path, data_dir: str | Path, config: EvalConfig | 
                 raise EvalError(f"{data_dir / filename}: data file not found (needed by suite {name!r})")
 
     lm = load_model(model_dir, device=device)
-    ctx = EvalContext(lm=lm, data_dir=data_dir, max_examples=config.max_examples,
-                      max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
-                      samples_per_prompt=config.samples_per_prompt, sample_temperature=config.sample_temperature,
-                      sample_seed=config.sample_seed)
+    ctx = EvalContext(lm=lm, data_dir=data_dir, config=config)
     prompts = [p for name in config.suites if SUITES[name].prompts for p in SUITES[name].prompts(ctx)]
     if prompts:  # one packed generation pass for every generation suite; they then read the cache
         started = time.perf_counter()

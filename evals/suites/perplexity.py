@@ -43,7 +43,7 @@ def run(ctx: EvalContext) -> list[EvalResult]:
         pieces = windows(list(tok(record["text"])["input_ids"]), ctx.lm.max_context)
         items.extend(pieces)
         owner.extend([index] * len(pieces))
-    logprobs = completion_logprobs(ctx.lm, items, ctx.batch_size, desc="perplexity")
+    logprobs = completion_logprobs(ctx.lm, items, ctx.config.batch_size, desc="perplexity")
 
     labels = slice_labels([stratum(r, "task", "source") for r in records])
     nll: dict[str, float] = {}

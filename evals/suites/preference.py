@@ -43,7 +43,7 @@ def run(ctx: EvalContext) -> list[EvalResult]:
     for record in records:
         for side in ("chosen", "rejected"):
             items.append(reply_item(ctx.lm, record["prompt"], record[side]))
-    logprobs = completion_logprobs(ctx.lm, items, ctx.batch_size, desc="preference")
+    logprobs = completion_logprobs(ctx.lm, items, ctx.config.batch_size, desc="preference")
     scores = [float(logprobs[2 * i] > logprobs[2 * i + 1]) for i in range(len(records))]
     labels = slice_labels([stratum(r, "task", "kind") for r in records])
     return [mean_result("preference_accuracy", "preference_accuracy", scores, labels)]

@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 
 from evals.generation import Generation
-from evals.scoring import (answers_match, carry_count, difficulty_slices, is_correct, is_format_adherent, is_refusal,
-                            parse_answer, sum_operands)
+from evals.scoring import (
+    answers_match,
+    carry_count,
+    difficulty_slices,
+    is_correct,
+    is_format_adherent,
+    is_refusal,
+    parse_answer,
+    sum_operands,
+)
 from evals.suites.format_adherence import score_format
 from evals.suites.safety import score_safety
 from evals.suites.task_accuracy import score_tasks

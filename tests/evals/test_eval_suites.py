@@ -9,6 +9,7 @@ import string
 import pytest
 from eval_testutil import read_jsonl, write_jsonl
 
+from evals.config import EvalConfig
 from evals.context import EvalContext
 from evals.suites import perplexity, preference, sampled_task_accuracy, task_accuracy
 from evals.suites.perplexity import windows
@@ -20,7 +21,7 @@ def _garbage(rng: random.Random, n_chars: int) -> str:
 
 
 def _context(lm, data_dir, **kwargs) -> EvalContext:
-    return EvalContext(lm=lm, data_dir=data_dir, batch_size=kwargs.pop("batch_size", 8), **kwargs)
+    return EvalContext(lm=lm, data_dir=data_dir, config=EvalConfig(**{"batch_size": 8, **kwargs}))
 
 
 @pytest.mark.parametrize("length, max_len", [(1, 8), (2, 8), (8, 8), (9, 8), (30, 8), (31, 7), (50, 2)])
