@@ -8,16 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from serving.api.common import (
-    APIError,
-    Generation,
-    OpenAIServing,
-    SamplingFactory,
-    SubRequest,
-    TokenIdsOut,
-    finite,
-    usage,
-)
+from serving.api.common import APIError, Generation, OpenAIServing, SamplingFactory, SubRequest, TokenIdsOut, finite
 from serving.api.protocol import ChatCompletionRequest
 from serving.engine import RequestOutput
 
@@ -39,9 +30,7 @@ class ChatServing(OpenAIServing):
         choices = [{"index": sub.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": self._logprobs(o.token_ids, o.outputs[0].logprobs, top) if req.logprobs else None,
                     "finish_reason": o.finish_reason} for sub, o in zip(gen.subs, outs)]
-        body = {"id": gen.id, "object": "chat.completion", "created": gen.created, "model": self.state.model_name,
-                "choices": choices, "usage": usage(gen.prompt_tokens, sum(len(o.token_ids) for o in outs))}
-        return self.respond(request, body)
+        return self.respond(request, self.answer(gen, "chat.completion", choices, outs))
 
     def _prompt(self, req: ChatCompletionRequest) -> list[int]:
         tok = self.tok
@@ -78,8 +67,6 @@ class ChatServing(OpenAIServing):
         return {"content": content}
 
     def _stream(self, req: ChatCompletionRequest, gen: Generation, top: int) -> AsyncIterator[str]:
-        head = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created,
-                "model": self.state.model_name}
         ids = TokenIdsOut(req.return_token_ids, gen)
 
         def opening() -> list[dict[str, Any]]:  # the role first, once per choice
@@ -95,4 +82,4 @@ class ChatServing(OpenAIServing):
                                  "finish_reason": o.finish_reason if o.finished else None, **ids.take(sub)}]}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return self.sse_stream(gen, head, ids, include_usage, chunk, opening)
+        return self.sse_stream(gen, "chat.completion.chunk", ids, include_usage, chunk, opening)

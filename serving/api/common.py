@@ -383,15 +383,26 @@ class OpenAIServing:
             for t in getters:
                 t.cancel()
 
-    async def sse_stream(self, gen: Generation, head: dict[str, Any], ids: TokenIdsOut, include_usage: bool,
+    def head(self, gen: Generation, kind: str) -> dict[str, Any]:
+        """What every answer and every stream chunk starts with: id, object (``kind``), created, model."""
+        return {"id": gen.id, "object": kind, "created": gen.created, "model": self.state.model_name}
+
+    def answer(self, gen: Generation, kind: str, choices: list[dict[str, Any]],
+               outs: list[RequestOutput]) -> dict[str, Any]:
+        """A whole (non-streamed) answer: the head, the choices and the token usage of ``outs``."""
+        return {**self.head(gen, kind), "choices": choices,
+                "usage": usage(gen.prompt_tokens, sum(len(o.token_ids) for o in outs))}
+
+    async def sse_stream(self, gen: Generation, kind: str, ids: TokenIdsOut, include_usage: bool,
                          chunk: Callable[[SubRequest, RequestOutput], dict[str, Any] | None],
                          opening: Callable[[], Iterable[dict[str, Any]]] = tuple) -> AsyncIterator[str]:
         """The SSE body of a streamed answer: ``opening()`` chunks, then ``chunk(sub, output)`` for each engine
         output (None: nothing to send yet), the usage chunk when asked, and ``[DONE]``.
 
-        Each chunk is merged over ``head`` (id, object, created, model). An engine failure or the server
-        shutting down (an APIError, 503) is sent as an error event before ``[DONE]``; whatever way the stream
-        ends, the engine requests still running are aborted."""
+        Each chunk is merged over the head (id, object ``kind``, created, model). An engine failure or the
+        server shutting down (an APIError, 503) is sent as an error event before ``[DONE]``; whatever way the
+        stream ends, the engine requests still running are aborted."""
+        head = self.head(gen, kind)
         ctoks = 0
         ended = False
         try:

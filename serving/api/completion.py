@@ -8,16 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from serving.api.common import (
-    APIError,
-    Generation,
-    OpenAIServing,
-    SamplingFactory,
-    SubRequest,
-    TokenIdsOut,
-    finite,
-    usage,
-)
+from serving.api.common import APIError, Generation, OpenAIServing, SamplingFactory, SubRequest, TokenIdsOut, finite
 from serving.api.protocol import CompletionRequest
 from serving.engine import RequestOutput
 
@@ -107,11 +98,9 @@ class CompletionServing(OpenAIServing):
                 recs += (o.outputs[0].logprobs or [None] * len(o.token_ids))
                 logprobs = self._logprobs(ids, recs, zero_width)
             choices.append({"index": sub.index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason})
-        return {"id": gen.id, "object": "text_completion", "created": gen.created, "model": self.state.model_name,
-                "choices": choices, "usage": usage(gen.prompt_tokens, sum(len(o.token_ids) for o in outs))}
+        return self.answer(gen, "text_completion", choices, outs)
 
     def _stream(self, req: CompletionRequest, gen: Generation) -> AsyncIterator[str]:
-        head = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": self.state.model_name}
         ids = TokenIdsOut(req.return_token_ids, gen)
 
         def chunk(sub: SubRequest, o: RequestOutput) -> dict[str, Any] | None:
@@ -125,4 +114,4 @@ class CompletionServing(OpenAIServing):
                     **ids.prompt(sub)}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return self.sse_stream(gen, head, ids, include_usage, chunk)
+        return self.sse_stream(gen, "text_completion", ids, include_usage, chunk)
