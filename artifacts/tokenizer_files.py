@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from artifacts.digests import digest_json, sha256_bytes, sha256_file
+from artifacts.manifest import TokenizerInfo
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -112,3 +113,15 @@ def render_probe(template: str, directory: Path) -> str:
     if _PROBE not in prompt:
         raise TokenizerFilesError("chat_template", "renders without the user message")
     return prompt
+
+
+def read_tokenizer(directory: Path) -> tuple[TokenizerInfo, str]:
+    """What a manifest records of `directory`'s tokenizer, and the chat template's text (to render it).
+
+    Raises TokenizerFilesError for a tokenizer.json that is missing or unreadable, or no chat template."""
+    vocab = tokenizer_vocab_size(directory)
+    template, source = load_chat_template(directory)
+    files = tokenizer_files(directory)
+    info = TokenizerInfo(digest=tokenizer_digest(directory, files), vocab_size=vocab, files=files,
+                         chat_template_digest=chat_template_digest(template), chat_template_source=source)
+    return info, template

@@ -23,15 +23,7 @@ from artifacts.manifest import EVAL_RECORD_FILE, INDEX_FILE, MANIFEST_FILE, Mani
 from artifacts.model_spec import SpecError, check_layout, model_spec, quantization_from_config
 from artifacts.safetensors_io import HeaderTensor, read_header
 from artifacts.shard_plan import TPDegreeError, plan_shards
-from artifacts.tokenizer_files import (
-    TokenizerFilesError,
-    chat_template_digest,
-    load_chat_template,
-    render_probe,
-    tokenizer_digest,
-    tokenizer_files,
-    tokenizer_vocab_size,
-)
+from artifacts.tokenizer_files import TokenizerFilesError, read_tokenizer, render_probe
 from artifacts.writer import generation_defaults, math_bytes
 
 _NOT_IN_SNAPSHOT = {MANIFEST_FILE, EVAL_RECORD_FILE}
@@ -149,29 +141,27 @@ def _check_against_config(bundle: Path, manifest: Manifest, tensors: dict[str, H
 
 def _check_tokenizer(bundle: Path, manifest: Manifest, tensors: dict[str, HeaderTensor]) -> None:
     try:
-        vocab = tokenizer_vocab_size(bundle)
-        template, source = load_chat_template(bundle)
+        found, template = read_tokenizer(bundle)
         try:
             render_probe(template, bundle)
         except TokenizerFilesError as exc:
-            raise TokenizerFilesError(source, f"chat template {exc.reason}") from exc
+            raise TokenizerFilesError(found.chat_template_source, f"chat template {exc.reason}") from exc
     except TokenizerFilesError as exc:
         raise _fail(exc.file, exc.reason) from exc
+    vocab, recorded = found.vocab_size, manifest.tokenizer
     rows = tensors["model.embed_tokens.weight"].shape[0]
     if vocab > rows:
         raise _fail("tokenizer.json", f"tokenizer has {vocab} tokens but the embedding has {rows} rows "
                                       "(tokenizer from another model?)")
-    if vocab != manifest.tokenizer.vocab_size:
-        raise _fail("tokenizer.json", f"tokenizer has {vocab} tokens, the manifest says "
-                                      f"{manifest.tokenizer.vocab_size}")
-    files = tokenizer_files(bundle)
-    if files != manifest.tokenizer.files:
-        raise _fail(MANIFEST_FILE, f"tokenizer files {files} differ from the manifest's {manifest.tokenizer.files}")
-    if tokenizer_digest(bundle, files) != manifest.tokenizer.digest:
-        raise _fail(files[0], "tokenizer digest differs from the manifest's")
-    if source != manifest.tokenizer.chat_template_source or \
-            chat_template_digest(template) != manifest.tokenizer.chat_template_digest:
-        raise _fail(source, "chat template differs from the manifest's (digest mismatch)")
+    if vocab != recorded.vocab_size:
+        raise _fail("tokenizer.json", f"tokenizer has {vocab} tokens, the manifest says {recorded.vocab_size}")
+    if found.files != recorded.files:
+        raise _fail(MANIFEST_FILE, f"tokenizer files {found.files} differ from the manifest's {recorded.files}")
+    if found.digest != recorded.digest:
+        raise _fail(found.files[0], "tokenizer digest differs from the manifest's")
+    if found.chat_template_source != recorded.chat_template_source or \
+            found.chat_template_digest != recorded.chat_template_digest:
+        raise _fail(found.chat_template_source, "chat template differs from the manifest's (digest mismatch)")
 
 
 def _check_contracts(bundle: Path, manifest: Manifest) -> None:

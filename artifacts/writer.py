@@ -33,6 +33,7 @@ from artifacts.manifest import (
     EVAL_RECORD_FILE,
     INDEX_FILE,
     MANIFEST_FILE,
+    ArchitectureSummary,
     ContextContract,
     FileEntry,
     Lineage,
@@ -41,19 +42,12 @@ from artifacts.manifest import (
     ShardPlan,
     TensorInfo,
     TokenizerInfo,
+    TPPlan,
 )
 from artifacts.model_spec import SpecError, check_layout, model_spec, natural_key, quantization_from_config
-from artifacts.safetensors_io import DTYPE_BYTES, read_header, source_weight_files
+from artifacts.safetensors_io import DTYPE_BYTES, HeaderTensor, read_header, source_weight_files
 from artifacts.shard_plan import plan_shards
-from artifacts.tokenizer_files import (
-    TokenizerFilesError,
-    chat_template_digest,
-    load_chat_template,
-    render_probe,
-    tokenizer_digest,
-    tokenizer_files,
-    tokenizer_vocab_size,
-)
+from artifacts.tokenizer_files import TokenizerFilesError, read_tokenizer, render_probe
 
 AUTO_VERSION = "auto"
 # Extra source files a loader may need, copied verbatim when present.
@@ -148,6 +142,30 @@ def _resolve_quantization(
     return dataclasses.replace(from_config, calibration_digest=given.calibration_digest)
 
 
+@dataclass
+class _Source:
+    """A model dir as read and checked before anything is written: its config, and where each tensor is."""
+
+    model_dir: Path
+    hf_config: dict[str, Any]
+    arch: ArchitectureSummary
+    quant: QuantizationInfo | None
+    locations: dict[str, Path]  # tensor -> the source file holding it
+    tensors: dict[str, HeaderTensor]  # tensor -> its header entry (dtype, shape, byte range)
+    tokenizer: TokenizerInfo
+
+
+@dataclass
+class _Plan:
+    """How the bundle is cut: shards (names, tensors of each) and tensor-parallel ownership per degree."""
+
+    max_bytes: int
+    shard_names: list[str]
+    groups: list[list[str]]
+    tp: dict[str, TPPlan]
+    max_context: int
+
+
 def write_bundle(
     model_dir: str | Path,
     out_dir: str | Path,
@@ -160,6 +178,25 @@ def write_bundle(
 
     Raises `BundleError` naming the file and reason for anything a server could not trust."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    _check_paths(model_dir, out_dir)
+    source = _read_source(model_dir, quantization)
+    plan = _plan(source, config)
+    try:
+        with staged_directory(out_dir, if_exists="fail") as tmp:
+            tensor_infos = _write_weights(source, plan, tmp)
+            gen_defaults = _copy_configs(source, tmp)
+            manifest = _manifest(source, plan, config, lineage, tensor_infos, gen_defaults, tmp)
+            (tmp / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
+            if eval_record is not None:
+                from artifacts.eval_record import write_eval_record
+
+                write_eval_record(tmp, eval_record)
+    except FileExistsError as exc:
+        raise BundleError(f"{out_dir}: appeared while the bundle was being written; not replacing it") from exc
+    return out_dir
+
+
+def _check_paths(model_dir: Path, out_dir: Path) -> None:
     if out_dir.exists() and (out_dir / MANIFEST_FILE).exists():
         raise BundleError(f"{out_dir}: a complete bundle already exists here; refusing to overwrite it")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -167,15 +204,17 @@ def write_bundle(
     if not model_dir.is_dir():
         raise BundleError(f"{model_dir}: not a directory")
 
+
+def _read_source(model_dir: Path, quantization: QuantizationInfo | None) -> _Source:
+    """config.json, the tensors as the source stores them and the tokenizer, checked against each other."""
     hf_config = _load_json(model_dir / "config.json")
     try:
         spec = model_spec(hf_config)
     except SpecError as exc:
         raise BundleError(f"{model_dir}/{exc}") from exc
-    arch = spec.arch
     quant = _resolve_quantization(hf_config, quantization, model_dir)
 
-    # Tensors as the source stores them; the layout must satisfy config.json before anything is written.
+    # The layout must satisfy config.json before anything is written.
     locations = source_weight_files(model_dir)
     headers = {path: read_header(path, str(path)) for path in set(locations.values())}
     tensors = {name: headers[path][name] for name, path in locations.items() if name in headers[path]}
@@ -187,91 +226,93 @@ def write_bundle(
 
     # Tokenizer and chat template: a bundle a server cannot chat with is refused here, not at serve time.
     try:
-        tok_files = tokenizer_files(model_dir)
-        vocab = tokenizer_vocab_size(model_dir)
-        template, template_source = load_chat_template(model_dir)
+        tokenizer, template = read_tokenizer(model_dir)
         render_probe(template, model_dir)
     except TokenizerFilesError as exc:
         raise BundleError(f"{model_dir}/{exc}") from exc
     embed_rows = tensors["model.embed_tokens.weight"].shape[0]
-    if vocab > embed_rows:
-        raise BundleError(f"{model_dir}/tokenizer.json: tokenizer has {vocab} tokens but the embedding has "
-                          f"{embed_rows} rows")
+    if tokenizer.vocab_size > embed_rows:
+        raise BundleError(f"{model_dir}/tokenizer.json: tokenizer has {tokenizer.vocab_size} tokens but the "
+                          f"embedding has {embed_rows} rows")
+    return _Source(model_dir, hf_config, spec.arch, quant, locations, tensors, tokenizer)
 
+
+def _plan(source: _Source, config: BundleConfig) -> _Plan:
+    arch = source.arch
     max_context = config.max_context or arch.max_position_embeddings
     if max_context > arch.max_position_embeddings:
         raise BundleError(f"max_context: {max_context} exceeds config.json max_position_embeddings "
                           f"{arch.max_position_embeddings}")
-
-    shapes = {name: t.shape for name, t in tensors.items()}
-    tp_plans = {str(d): plan_shards(shapes, d, arch.num_heads, arch.num_kv_heads) for d in config.tp_degrees}
-
+    shapes = {name: t.shape for name, t in source.tensors.items()}
+    tp = {str(d): plan_shards(shapes, d, arch.num_heads, arch.num_kv_heads) for d in config.tp_degrees}
     max_bytes = parse_size(config.max_shard_size, "max_shard_size")
-    groups = group_shards({n: t.end - t.begin for n, t in tensors.items()}, max_bytes)
+    groups = group_shards({n: t.end - t.begin for n, t in source.tensors.items()}, max_bytes)
     shard_names = [shard_file_name(i + 1, len(groups)) for i in range(len(groups))]
+    return _Plan(max_bytes, shard_names, groups, tp, max_context)
 
-    try:
-        with staged_directory(out_dir, if_exists="fail") as tmp:
-            tensor_infos: dict[str, TensorInfo] = {}
-            for shard_name, names in tqdm(list(zip(shard_names, groups)), desc="writing shards", unit="shard",
-                                          disable=len(groups) < 4):
-                _write_shard(locations, names, tmp / shard_name)
-                for name in names:
-                    tensor_infos[name] = TensorInfo(shard_name, tensors[name].dtype, list(tensors[name].shape))
-            total = sum(math_bytes(t.dtype, t.shape) for t in tensor_infos.values())
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {n: tensor_infos[n].shard for n in sorted(tensor_infos, key=natural_key)}}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
-            shutil.copy2(model_dir / "config.json", tmp / "config.json")
-            gen_defaults = generation_defaults(model_dir)
-            if (model_dir / "generation_config.json").is_file():
-                shutil.copy2(model_dir / "generation_config.json", tmp / "generation_config.json")
-            else:  # a server needs the stop ids; derive them from config.json
-                gen_defaults = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                                if hf_config.get(k) is not None}
-                (tmp / "generation_config.json").write_text(json.dumps(gen_defaults, indent=2) + "\n")
-            for name in tok_files + [f for f in EXTRA_FILES if (model_dir / f).is_file()]:
-                shutil.copy2(model_dir / name, tmp / name)
+def _write_weights(source: _Source, plan: _Plan, tmp: Path) -> dict[str, TensorInfo]:
+    """The shards and their index (HF's model.safetensors.index.json); what each tensor became."""
+    tensor_infos: dict[str, TensorInfo] = {}
+    for shard_name, names in tqdm(list(zip(plan.shard_names, plan.groups)), desc="writing shards", unit="shard",
+                                  disable=len(plan.groups) < 4):
+        _write_shard(source.locations, names, tmp / shard_name)
+        for name in names:
+            tensor_infos[name] = TensorInfo(shard_name, source.tensors[name].dtype, list(source.tensors[name].shape))
+    total = sum(math_bytes(t.dtype, t.shape) for t in tensor_infos.values())
+    index = {"metadata": {"total_size": total},
+             "weight_map": {n: tensor_infos[n].shard for n in sorted(tensor_infos, key=natural_key)}}
+    (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return tensor_infos
 
-            files = [FileEntry(p.relative_to(tmp).as_posix(), sha256_file(p), p.stat().st_size)
-                     for p in sorted(tmp.rglob("*")) if p.is_file()]
-            version = config.version
-            if version == AUTO_VERSION:
-                weights = "".join(f.sha256 for f in files if f.path in shard_names)
-                stamp = datetime.now(UTC).strftime("%Y%m%d.%H%M%S")
-                version = f"{stamp}-{sha256_bytes(weights.encode())[:8]}"
-            resolved_lineage = dataclasses.replace(
-                lineage,
-                git_commit=lineage.git_commit if lineage.git_commit is not None else _git_commit(),
-                source_dir=lineage.source_dir or str(model_dir.resolve()),
-            )
-            manifest = Manifest(
-                name=config.name,
-                version=version,
-                created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-                lineage=resolved_lineage,
-                architecture=arch,
-                tokenizer=TokenizerInfo(
-                    digest=tokenizer_digest(tmp, tok_files), vocab_size=vocab, files=tok_files,
-                    chat_template_digest=chat_template_digest(template), chat_template_source=template_source,
-                ),
-                context=ContextContract(max_context=max_context,
-                                        max_position_embeddings=arch.max_position_embeddings),
-                generation_defaults=gen_defaults,
-                quantization=quant,
-                shard_plan=ShardPlan(max_shard_size=max_bytes, shards=shard_names, tensors=tensor_infos,
-                                     tp=tp_plans),
-                files=files,
-            )
-            (tmp / MANIFEST_FILE).write_text(manifest.to_json(), encoding="utf-8")
-            if eval_record is not None:
-                from artifacts.eval_record import write_eval_record
 
-                write_eval_record(tmp, eval_record)
-    except FileExistsError as exc:
-        raise BundleError(f"{out_dir}: appeared while the bundle was being written; not replacing it") from exc
-    return out_dir
+def _copy_configs(source: _Source, tmp: Path) -> dict[str, Any]:
+    """config.json, generation_config.json (derived from config.json when absent), the tokenizer files and
+    the loader's extra files; returns the generation defaults the manifest records."""
+    model_dir = source.model_dir
+    shutil.copy2(model_dir / "config.json", tmp / "config.json")
+    gen_defaults = generation_defaults(model_dir)
+    if (model_dir / "generation_config.json").is_file():
+        shutil.copy2(model_dir / "generation_config.json", tmp / "generation_config.json")
+    else:  # a server needs the stop ids; derive them from config.json
+        gen_defaults = {k: source.hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                        if source.hf_config.get(k) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen_defaults, indent=2) + "\n")
+    for name in source.tokenizer.files + [f for f in EXTRA_FILES if (model_dir / f).is_file()]:
+        shutil.copy2(model_dir / name, tmp / name)
+    return gen_defaults
+
+
+def _manifest(source: _Source, plan: _Plan, config: BundleConfig, lineage: Lineage,
+              tensor_infos: dict[str, TensorInfo], gen_defaults: dict[str, Any], tmp: Path) -> Manifest:
+    """The manifest over every file written to `tmp` so far, with the version resolved and lineage filled."""
+    files = [FileEntry(p.relative_to(tmp).as_posix(), sha256_file(p), p.stat().st_size)
+             for p in sorted(tmp.rglob("*")) if p.is_file()]
+    version = config.version
+    if version == AUTO_VERSION:
+        weights = "".join(f.sha256 for f in files if f.path in plan.shard_names)
+        stamp = datetime.now(UTC).strftime("%Y%m%d.%H%M%S")
+        version = f"{stamp}-{sha256_bytes(weights.encode())[:8]}"
+    resolved_lineage = dataclasses.replace(
+        lineage,
+        git_commit=lineage.git_commit if lineage.git_commit is not None else _git_commit(),
+        source_dir=lineage.source_dir or str(source.model_dir.resolve()),
+    )
+    arch = source.arch
+    return Manifest(
+        name=config.name,
+        version=version,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        lineage=resolved_lineage,
+        architecture=arch,
+        tokenizer=source.tokenizer,
+        context=ContextContract(max_context=plan.max_context, max_position_embeddings=arch.max_position_embeddings),
+        generation_defaults=gen_defaults,
+        quantization=source.quant,
+        shard_plan=ShardPlan(max_shard_size=plan.max_bytes, shards=plan.shard_names, tensors=tensor_infos,
+                             tp=plan.tp),
+        files=files,
+    )
 
 
 def math_bytes(dtype: str, shape: list[int]) -> int:
