@@ -121,16 +121,3 @@ def plan_shards(
         tensors[name] = TensorSplit(kind, dim, [[r * step, (r + 1) * step] for r in range(degree)])
     return TPPlan(degree=degree, tensors=tensors, kv_heads=kv_heads)
 
-
-def rank_tensors(plan: TPPlan, rank: int) -> dict[str, tuple[int, int, int] | None]:
-    """What one rank loads: tensor -> (dim, start, stop), or None for a full (replicated) copy."""
-    if not 0 <= rank < plan.degree:
-        raise BundleError(f"rank {rank}: out of range for tp degree {plan.degree}")
-    result: dict[str, tuple[int, int, int] | None] = {}
-    for name, split in plan.tensors.items():
-        if split.kind == "replicate" or split.dim is None:
-            result[name] = None
-        else:
-            start, stop = split.ranges[rank]
-            result[name] = (split.dim, start, stop)
-    return result

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from artifacts.errors import BundleError
-from artifacts.shard_plan import TPDegreeError, plan_shards, rank_tensors, split_rule
+from artifacts.shard_plan import TPDegreeError, plan_shards, split_rule
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -52,12 +51,11 @@ def test_ranks_partition_each_split_dim(degree):
         assert split.ranges[0][0] == 0 and split.ranges[-1][1] == size
         assert all(a[1] == b[0] for a, b in zip(split.ranges, split.ranges[1:]))
         assert len({stop - start for start, stop in split.ranges}) == 1
-    owned = rank_tensors(plan, degree - 1)
-    assert owned["model.layers.0.input_layernorm.weight"] is None
-    if degree == 2:
-        assert owned["model.layers.0.mlp.down_proj.weight"] == (1, 64, 128)
-    with pytest.raises(BundleError, match="out of range"):
-        rank_tensors(plan, degree)
+    assert plan.tensors["model.layers.0.input_layernorm.weight"].kind == "replicate"
+    if degree == 2:  # the last rank owns the second half of down_proj's input features
+        down = plan.tensors["model.layers.0.mlp.down_proj.weight"]
+        assert (down.dim, down.ranges[1]) == (1, [64, 128])
+    assert len(plan.kv_heads) == degree
 
 
 def test_undividable_vocab_is_replicated():
@@ -83,7 +81,6 @@ def test_kv_heads_are_replicated_when_the_degree_exceeds_them():
     k_proj = plan.tensors["model.layers.0.self_attn.k_proj.weight"]
     assert (k_proj.kind, k_proj.dim, k_proj.ranges) == ("column", 0, [[0, 8], [0, 8], [8, 16], [8, 16]])
     assert plan.tensors["model.layers.0.self_attn.q_proj.weight"].ranges == [[0, 24], [24, 48], [48, 72], [72, 96]]
-    assert rank_tensors(plan, 3)["model.layers.0.self_attn.k_proj.weight"] == (0, 8, 16)
     assert plan_shards(shapes, 2, num_heads=12, num_kv_heads=2).kv_heads == [[0], [1]]
     assert plan_shards(shapes, 1, num_heads=12, num_kv_heads=2).kv_heads == [[0, 1]]
 
