@@ -10,7 +10,6 @@ spaces and punctuation (``" + "``, ``"?"``), and the byte-level alphabet means a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -69,10 +68,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTo
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
-    tokenizer.save_pretrained(str(out_dir))
 
 
 def end_token_ids(tokenizer: PreTrainedTokenizerFast) -> list[int]:

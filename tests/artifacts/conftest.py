@@ -15,15 +15,8 @@ import torch
 
 from artifacts.manifest import Lineage
 from artifacts.writer import BundleConfig, write_bundle
+from training.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
-CHAT_TEMPLATE = (
-    "{{ '<s>' }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
-SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CORPUS = [f"question {i}: what is {i} + {i * 3}? Answer: {i * 4}. The quick brown fox jumps." for i in range(200)]
 
 
@@ -35,11 +28,11 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 300, corpus: list[str] | No
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(corpus or CORPUS, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
-                                        pad_token="<pad>", additional_special_tokens=SPECIAL[3:],
+                                        pad_token="<pad>", additional_special_tokens=list(SPECIAL_TOKENS[3:]),
                                         model_max_length=256)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out_dir))
