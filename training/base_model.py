@@ -260,7 +260,7 @@ def _pretrain(model, stream: torch.Tensor, config: BaseModelConfig, device: torc
               on_log: Callable[[int, Any], None] | None = None) -> dict:
     """Next-token training on random windows of the packed token stream (``training.window_training``).
 
-    ``on_log(step, model)`` runs at every log point (recipe tuning scripts probe accuracy there).
+    ``on_log(step, model)`` runs at every log point (recipe tuning scripts check greedy accuracy there).
     """
     schedule = WindowSchedule(steps=config.steps, batch_size=config.batch_size, seq_len=config.seq_len,
                               lr=config.lr, weight_decay=config.weight_decay, seed=config.seed, log_points=100,

@@ -54,7 +54,7 @@ def trainer_hardware_kwargs(hw: Hardware) -> dict:
     }
 
 
-def _probe_4bit(device: str) -> None:
+def _nf4_round_trip(device: str) -> None:
     """Quantize and dequantize one small tensor in NF4 on `device`; raises whatever bitsandbytes raises."""
     import bitsandbytes.functional as bnbf
 
@@ -68,7 +68,7 @@ def _probe_4bit(device: str) -> None:
 def check_4bit_support(hw: Hardware) -> None:
     """Fail before training when QLoRA is asked for on hardware bitsandbytes cannot serve."""
     try:
-        _probe_4bit(hw.device)
+        _nf4_round_trip(hw.device)
     except Exception as exc:  # ImportError, missing native library, unsupported device...
         raise TrainingError(
             f"lora.qlora: 4-bit NF4 loading is not available on this machine ({hw.device}): "

@@ -40,7 +40,7 @@ def train_on_windows(model: torch.nn.Module, stream: torch.Tensor, schedule: Win
                      device: torch.device, on_log: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
     """Train ``model`` for ``schedule.steps`` steps; ``loss_of(batch)`` is the loss of one [batch, seq_len] batch.
 
-    ``on_log(step, model)`` runs at every log point (recipe tuning scripts probe accuracy there). Returns the
+    ``on_log(step, model)`` runs at every log point (recipe tuning scripts check greedy accuracy there). Returns the
     curve (``step``, ``loss``, ``lr``: running means between log points) and ``seconds``, ``tokens``,
     ``tokens_per_second``. Leaves the model in eval mode."""
     model.train()

@@ -112,10 +112,10 @@ def test_validate_errors_name_path_and_what_is_missing(tmp_path: Path, micro_bas
         validate_model_dir(partial)
 
 
-def test_probe_scores_greedy_replies(micro_base_dir: Path) -> None:
-    from training.probe import probe_task
+def test_greedy_accuracy_scores_greedy_replies(micro_base_dir: Path) -> None:
+    from training.greedy_accuracy import greedy_accuracy
 
-    result = probe_task(micro_base_dir, "addition", n=8, batch_size=8, max_new_tokens=6)
+    result = greedy_accuracy(micro_base_dir, "addition", n=8, batch_size=8, max_new_tokens=6)
     assert result.n == 8 and 0.0 <= result.accuracy <= 1.0 and 0.0 <= result.format_rate <= 1.0
     assert result.samples and all(s["prompt"].startswith("What is ") for s in result.samples)
 

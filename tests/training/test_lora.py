@@ -53,7 +53,7 @@ def test_4bit_request_on_hardware_without_support_is_one_clear_error(micro_base_
     def no_nf4(device: str) -> None:  # injected fault: a bitsandbytes build without this device's kernels
         raise RuntimeError("no 4-bit kernels for this device")
 
-    monkeypatch.setattr("training.hardware._probe_4bit", no_nf4)
+    monkeypatch.setattr("training.hardware._nf4_round_trip", no_nf4)
     config = SFTStageConfig(max_steps=2, lora=LoraSettings(qlora=True))
     with pytest.raises(TrainingError, match="lora.qlora: 4-bit NF4 loading is not available"):
         run_sft(config, micro_base_dir, micro_data_dir, tmp_path / "sft")

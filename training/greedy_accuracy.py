@@ -2,7 +2,7 @@
 
 Why here: tuning the embedded base recipe needs a number in seconds (does the model already answer in
 the ``Answer: X`` format, and how often is it right?) without the evals package. Run as
-``python -m training.probe MODEL_DIR --task addition --n 200``.
+``python -m training.greedy_accuracy MODEL_DIR --task addition --n 200``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from training.tasks import check_answer, contract_answer, generate_examples
 
 
 @dataclass
-class ProbeResult:
+class GreedyAccuracy:
     task: str
     n: int
     accuracy: float  # replies with the right answer
@@ -26,19 +26,19 @@ class ProbeResult:
     samples: list[dict[str, str]]
 
 
-def probe_task(model_dir: Path | str, task: str = "addition", n: int = 200, seed: int = 0,
-               batch_size: int = 50, max_new_tokens: int = 48) -> ProbeResult:
+def greedy_accuracy(model_dir: Path | str, task: str = "addition", n: int = 200, seed: int = 0,
+                    batch_size: int = 50, max_new_tokens: int = 48) -> GreedyAccuracy:
     """Greedy-decode ``n`` held-out problems in left-padded batches and score the replies."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    return probe_model(model, tokenizer, task, n, seed, batch_size, max_new_tokens)
+    return model_greedy_accuracy(model, tokenizer, task, n, seed, batch_size, max_new_tokens)
 
 
-def probe_model(model, tokenizer, task: str = "addition", n: int = 200, seed: int = 0, batch_size: int = 50,
-                max_new_tokens: int = 48) -> ProbeResult:
-    """`probe_task` on a model already in memory (used mid-training by recipe-tuning scripts)."""
+def model_greedy_accuracy(model, tokenizer, task: str = "addition", n: int = 200, seed: int = 0,
+                          batch_size: int = 50, max_new_tokens: int = 48) -> GreedyAccuracy:
+    """`greedy_accuracy` of a model already in memory (used mid-training by recipe-tuning scripts)."""
     tokenizer.padding_side = "left"
     was_training = model.training
     model.eval()
@@ -65,7 +65,7 @@ def probe_model(model, tokenizer, task: str = "addition", n: int = 200, seed: in
             if len(samples) < 8:
                 samples.append({"prompt": ex.prompt, "reply": reply, "answer": ex.answer})
     model.train(was_training)
-    return ProbeResult(task=task, n=n, accuracy=correct / n, format_rate=formatted / n, samples=samples)
+    return GreedyAccuracy(task=task, n=n, accuracy=correct / n, format_rate=formatted / n, samples=samples)
 
 
 def main() -> None:
@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     for task in args.task or ["addition", "reverse"]:
-        print(json.dumps(asdict(probe_task(args.model_dir, task, args.n))))
+        print(json.dumps(asdict(greedy_accuracy(args.model_dir, task, args.n))))
 
 
 if __name__ == "__main__":
