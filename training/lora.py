@@ -49,7 +49,10 @@ def build_lora_config(settings: LoraSettings):
 
 
 def load_base_model(model_dir: Path, settings: LoraSettings, hw: Hardware, trainable: bool = True) -> nn.Module:
-    """Load `model_dir` for training: fp32/bf16 weights, or NF4 4-bit when `settings.qlora`.
+    """Load `model_dir` for training in fp32, its linear layers in NF4 4-bit when `settings.qlora`.
+
+    The weights always load as fp32: where the hardware has bf16 the trainer computes in it (mixed precision,
+    ``trainer_hardware_kwargs``), and a 4-bit layer computes in `hw.dtype`.
 
     `trainable=False` loads a frozen copy (used for an explicit reference model).
     """

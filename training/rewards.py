@@ -166,26 +166,18 @@ def build_reward_functions(correctness_weight: float, format_weight: float, leng
                            refusal_weight: float = 0.0
                            ) -> tuple[list[Callable[..., list[float | None]]], list[float]]:
     """The reward functions a GRPO recipe asks for and their weights (a zero weight drops the function)."""
-    funcs: list[Callable[..., list[float | None]]] = []
-    weights: list[float] = []
-    if correctness_weight > 0:
-        funcs.append(correctness_reward)
-        weights.append(correctness_weight)
-    if partial_credit_weight > 0:
-        funcs.append(partial_credit_reward)
-        weights.append(partial_credit_weight)
-    if work_weight > 0:
-        funcs.append(work_reward)
-        weights.append(work_weight)
-    if refusal_weight > 0:
-        funcs.append(refusal_reward)
-        weights.append(refusal_weight)
-    if format_weight > 0:
-        funcs.append(make_format_reward(eos_token_ids))
-        weights.append(format_weight)
-    if length_penalty > 0:
-        funcs.append(make_length_penalty(length_penalty, length_target_tokens))
-        weights.append(1.0)
+    # (weight that turns it on, function, weight given to TRL): the length penalty carries its own scale
+    candidates: list[tuple[float, Callable[..., list[float | None]], float]] = [
+        (correctness_weight, correctness_reward, correctness_weight),
+        (partial_credit_weight, partial_credit_reward, partial_credit_weight),
+        (work_weight, work_reward, work_weight),
+        (refusal_weight, refusal_reward, refusal_weight),
+        (format_weight, make_format_reward(eos_token_ids), format_weight),
+        (length_penalty, make_length_penalty(length_penalty, length_target_tokens), 1.0),
+    ]
+    chosen = [(func, weight) for switch, func, weight in candidates if switch > 0]
+    funcs = [func for func, _ in chosen]
+    weights = [weight for _, weight in chosen]
     if not funcs:
         raise ValueError("correctness_weight/format_weight/partial_credit_weight/work_weight/refusal_weight/"
                          "length_penalty: "

@@ -30,7 +30,8 @@ _FINAL_WRITE_S = 5.0
 # How long an idle keep-alive connection stays open: longer than the gateway keeps an idle upstream connection in
 # its pool (60 s), so the gateway drops a connection before the replica closes it. With uvicorn's default (5 s) a
 # replica that got no request or health poll for 5 s closed the connection the gateway would reuse next: a reconnect,
-# or, in the race, a failed request counted against that replica's variant (benchmarks/RESULTS.md, issue 22).
+# or, in the race, a failed request counted against that replica's variant (benchmarks/RESULTS.md, "Gateway: what
+# a low-share variant pays").
 KEEP_ALIVE_S = 75.0
 
 
