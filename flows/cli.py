@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from artifacts.common.cli import run_cli
+from artifacts.errors import LifecycleError, one_line
 
 # Packages that contribute subcommands through `register_cli(subparsers)`; imported lazily so that
 # `lifecycle --help` does not pay for torch/transformers imports.
@@ -19,7 +20,17 @@ _SUBCOMMAND_PROVIDERS = ("flows.run_cli", "artifacts.cli", "evals.cli", "quantiz
                          "serving.gateway.cli", "flows.rollout_cli", "flows.schedule_cli", "training.draft_cli")
 
 
+class SubcommandImportError(LifecycleError):
+    """A package that contributes subcommands cannot be imported (a broken install or a missing dependency)."""
+
+    def __init__(self, module_name: str, exc: ImportError) -> None:
+        self.module_name = module_name
+        super().__init__(one_line(f"cannot load the {module_name} subcommands: {type(exc).__name__}: {exc}"))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `lifecycle` parser with every package's subcommands; raises SubcommandImportError if a package
+    that provides some cannot be imported (never a parser that silently lacks them)."""
     parser = argparse.ArgumentParser(
         prog="lifecycle",
         description="Carry a causal LM from base model to production traffic: "
@@ -29,16 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
     for module_name in _SUBCOMMAND_PROVIDERS:
         try:
             module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
+        except ImportError as exc:
+            raise SubcommandImportError(module_name, exc) from exc
         module.register_cli(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(build_parser(), argv)
+    try:
+        parser = build_parser()
+    except SubcommandImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run_cli(parser, argv)
 
 
 if __name__ == "__main__":

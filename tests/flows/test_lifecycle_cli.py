@@ -60,3 +60,25 @@ def test_local_dataset_without_required_column_is_named(tmp_path: Path) -> None:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and str(prefs) in lines[0] and "rejected" in lines[0]
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    (None, "cannot load the lifecycle_missing_cli subcommands: ModuleNotFoundError: No module named "
+           "'lifecycle_missing_cli'"),
+    ("import lifecycle_missing_dependency\n", "cannot load the lifecycle_broken_cli subcommands: "
+                                              "ModuleNotFoundError: No module named 'lifecycle_missing_dependency'"),
+])
+def test_a_subcommand_package_that_cannot_be_imported_is_one_line_and_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, source: str | None,
+        expected: str) -> None:
+    """Never a parser that silently lacks the subcommands of a package that failed to import."""
+    from flows import cli
+
+    name = "lifecycle_missing_cli" if source is None else "lifecycle_broken_cli"
+    if source is not None:
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "_SUBCOMMAND_PROVIDERS", ("flows.run_cli", name))
+    assert cli.main(["run", "--help"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: {expected}"]
