@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import mlflow
+from mlflow.exceptions import MlflowException
 from prefect import task
 from prefect.context import TaskRunContext
 from rich.console import Console
@@ -69,14 +71,38 @@ def is_complete(out_dir: Path) -> bool:
     return (out_dir / DONE_MARKER).is_file()
 
 
+# MLflow's codes for a store that may answer on a second try (a locked sqlite file, a busy or throttled server).
+_MLFLOW_TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "RESOURCE_EXHAUSTED", "REQUEST_LIMIT_EXCEEDED"}
+
+
+def is_transient_error(exc: BaseException) -> bool:
+    """Whether a second try may get past `exc`: I/O and the network (OSError: a full disk, a refused or reset
+    connection, TimeoutError, requests' and the Hugging Face hub's errors), an HTTP transport failure or a
+    5xx/429 answer (httpx: Prefect's client), or MLflow saying its store is busy or its server unreachable.
+
+    A user error (LifecycleError) or a programming error (TypeError, AttributeError, KeyError, ...) would
+    fail the same way again: not transient."""
+    if isinstance(exc, LifecycleError):
+        return False
+    if isinstance(exc, OSError | httpx.TransportError):
+        return True
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500 or exc.response.status_code == 429
+    if isinstance(exc, MlflowException):
+        if exc.error_code in _MLFLOW_TRANSIENT_CODES:
+            return True
+        # MLflow re-raises a failed HTTP request as its generic exception; what it was raised over says why
+        inner = exc.__cause__ or exc.__context__
+        return inner is not None and is_transient_error(inner)
+    return False
+
+
 def _is_transient(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry crashes and infrastructure hiccups, never a user error (it would fail the same way)."""
+    """Prefect's retry condition: retry a stage only for an error a second try may get past."""
     try:
         state.result()
-    except LifecycleError:
-        return False
-    except Exception:  # noqa: BLE001 - anything else may be transient (OOM-killer, disk, network)
-        return True
+    except Exception as exc:  # noqa: BLE001 - sorted by is_transient_error
+        return is_transient_error(exc)
     return False
 
 
