@@ -124,3 +124,17 @@ def _fmt(value: float | None) -> str:
     if abs(value) >= 100:
         return f"{value:.1f}"
     return f"{value:.3f}"
+
+
+def quantized_table(report: PipelineReport) -> str:
+    stage = next((s for s in report.stages if s.stage == "quantize"), None)
+    return stage.info.get("fidelity_table", "") if stage is not None else ""
+
+
+def draft_note(draft: StageOutput, shipped: StageOutput | None) -> str:
+    """The report's line on the draft: what it agrees on, and the exact command that serves with it."""
+    served = shipped.path if shipped is not None else draft.info["target"]
+    before, after = draft.metrics.get("agreement_before", 0.0), draft.metrics.get("agreement_after", 0.0)
+    return (f"draft model ({draft.info.get('layers', '?')} layers, argmax agreement with its target "
+            f"{before:.2f} → {after:.2f} on held-out text): `{draft.path}`; serve with it: "
+            f"`lifecycle serve {served} --speculative-tokens 4 --speculative-model {draft.path}`")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from artifacts.errors import ConfigError
-from flows.lifecycle import draft_note
 from flows.preflight import preflight
 from flows.recipe import load_recipe
+from flows.report import draft_note
 from flows.stage_runner import StageOutput
 from training.draft_config import DraftConfig
 
