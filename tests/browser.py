@@ -21,16 +21,15 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from artifacts.common.net import free_port, wait_until_ready
 
 if TYPE_CHECKING:  # playwright is an optional test dependency: import it only when a browser is opened
     from playwright.sync_api import Page
@@ -64,29 +63,12 @@ def chromium_path() -> str | None:
     return None
 
 
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now (the OS picks it; a race is possible, so callers retry)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _log_tail(log_path: Path) -> str:
     try:
         text = log_path.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         return f"<log unreadable: {exc}>"
     return text[-LOG_TAIL_CHARS:]
-
-
-def _answers_http(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:  # a local http URL we built
-            return 200 <= response.status < 500
-    except urllib.error.HTTPError as exc:
-        return exc.code < 500  # any 4xx still means the server is up and routing
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout_s: float = SERVER_STOP_TIMEOUT_S) -> None:
@@ -108,20 +90,18 @@ def _wait_until_ready(
     proc: subprocess.Popen[bytes], base_url: str, log_path: Path, deadline: float, timeout_s: float
 ) -> str | None:
     """Poll `/health` until the server answers (None), exits, or the deadline passes (a message with its log)."""
-    while True:
-        if proc.poll() is not None:
-            return (
-                f"`mlflow server` for {base_url} exited with {proc.returncode} before answering; "
-                f"log {log_path} ends:\n{_log_tail(log_path)}"
-            )
-        if _answers_http(f"{base_url}/health"):
-            return None
-        if time.monotonic() > deadline:
-            return (
-                f"`mlflow server` on {base_url} did not answer HTTP within {timeout_s:.0f}s; "
-                f"log {log_path} ends:\n{_log_tail(log_path)}"
-            )
-        time.sleep(0.25)
+    if wait_until_ready(f"{base_url}/health", deadline - time.monotonic(), alive=lambda: proc.poll() is None,
+                        interval=0.25) is None:
+        return None
+    if proc.poll() is not None:
+        return (
+            f"`mlflow server` for {base_url} exited with {proc.returncode} before answering; "
+            f"log {log_path} ends:\n{_log_tail(log_path)}"
+        )
+    return (
+        f"`mlflow server` on {base_url} did not answer HTTP within {timeout_s:.0f}s; "
+        f"log {log_path} ends:\n{_log_tail(log_path)}"
+    )
 
 
 @contextlib.contextmanager

@@ -18,20 +18,13 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from artifacts.common.net import free_port, wait_until_ready
 from tests.browser import chromium_path, headless_page, page_text, save_screenshot, squash_whitespace
 
 REPO = Path(__file__).resolve().parents[2]
 LIFECYCLE = [sys.executable, "-m", "flows.cli"]
 NAME = "sched-e2e"
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _chat(i: int) -> dict:
@@ -98,22 +91,15 @@ def test_a_deployment_fires_by_itself_caches_picks_up_new_data_and_never_overlap
     recipe_path = tmp_path / "recipe.yaml"
     recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
 
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING"))}
     env |= {"LIFECYCLE_HOME": str(home), "PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
     server = Proc([*LIFECYCLE, "server", "--port", str(port)], env, tmp_path / "server.log")
     worker = None
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-            time.sleep(1)
+        not_ready = wait_until_ready(f"{api}/health", 180, alive=lambda: server.proc.poll() is None, interval=1)
+        assert not_ready is None, f"{not_ready}\n" + (tmp_path / "server.log").read_text()[-3000:]
         client_env = env | {"PREFECT_API_URL": api}
         scheduled = subprocess.run([*LIFECYCLE, "schedule", str(recipe_path), "--interval", "5s", "--name", NAME],
                                    env=client_env, cwd=REPO, capture_output=True, text=True, timeout=180)

@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import re
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,17 +16,12 @@ import pytest
 import uvicorn
 from openai import OpenAI
 
+from artifacts.common.net import free_port, wait_until_ready
 from serving.api import build_app
 from serving.api.engine_client import EngineView, ProcessEngineClient
 from serving.engine import EngineConfig, LLMEngine
 
 MODEL = "micro"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -47,15 +41,7 @@ def running_server(model_dir: Path, cfg: EngineConfig, engine_mode: str = "threa
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server never became ready"
-        time.sleep(0.05)
+    assert wait_until_ready(f"{base}/ready", 60, interval=0.05) is None, "server never became ready"
     try:
         yield base, engine
     finally:
