@@ -1,22 +1,36 @@
-"""Iteration-level scheduler: each step it picks the sequences (and token counts) to compute.
+"""Iteration-level scheduler: each step it plans what to compute, then applies what was computed.
 
-Order of business every step, under one token budget (``max_num_batched_tokens``):
-1. running sequences that decode (one token each), so a long prompt never stalls them;
+``schedule()`` picks the sequences (and token counts) to compute, under one token budget
+(``max_num_batched_tokens``), in this order:
+1. running sequences that decode (one token each, plus any guesses), so a long prompt never stalls them;
 2. running sequences still prefilling (a chunk each when chunked prefill is on);
 3. waiting sequences, best priority then oldest first, while the budget, ``max_num_seqs`` and the
    free blocks allow (their cached prefix blocks are attached first and cost no compute).
 When a running sequence needs a block and none is free, the newest running sequence is preempted by
 recompute: its blocks are freed and it goes back to the head of the queue, keeping its tokens.
-The result is a plain plan (``SchedulerOutput``) that the model runner executes.
+The result is a plain plan (``SchedulerOutput``) that the executor runs.
+
+``update_from_output()`` applies the step's ``ModelOutput``, as in vLLM v1: tokens appended, guesses kept or
+rolled back (``spec_commit``), stop rules checked (``stop_rules``), full blocks registered for prefix
+caching, and finished requests taken out with their blocks freed in that same step. The scheduler owns
+the block manager; nothing else allocates or frees KV blocks.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
+from serving.engine.outputs import EngineStats, LogprobRecord, ModelOutput, RequestOutput, request_output
 from serving.engine.sequence import Sequence, SequenceStatus
+from serving.engine.spec_commit import Speculator, drop_drafts, fit_drafts
+from serving.engine.speculative import Proposer
+from serving.engine.stop_rules import stopped_after
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,33 +41,47 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan: the sequences to compute and how many tokens each (vLLM v1's ``{request_id:
+    num_tokens}``, kept as sequences since the runner reads their tokens and block tables)."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    drafted: list[Sequence] = field(default_factory=list)  # sequences that got guesses this step
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    def plan(self) -> dict[str, int]:
-        """``{request_id: num_tokens}``, the vLLM v1 view of a step."""
-        return {s.seq.request_id: s.num_tokens for s in self.scheduled}
+    def drop_drafts(self) -> None:
+        """Take off whatever guesses are left: a guess never outlives its step."""
+        for seq in self.drafted:
+            drop_drafts(seq)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    """The engine's sequences from admission to finish: their queues, KV blocks, guesses and counters."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
-        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.speculator = Speculator(proposer, max_model_len)
+        self.requests: dict[str, Sequence] = {}  # every request added and not finished, by id
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.finished_ids: list[str] = []  # requests finished since the engine last took this list
         self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_finished_total = 0
+        self.requests_failed_total = 0
 
     # ----------------------------------------------------------------- queue
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.requests[seq.request_id] = seq
+        self.prompt_tokens_total += seq.num_prompt_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -75,8 +103,23 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(seq)  # keeps its arrival time, so it is picked again first
 
-    # ----------------------------------------------------------------- step
+    # ----------------------------------------------------------------- plan
     def schedule(self) -> SchedulerOutput:
+        """This step's plan. Greedy decodes get their guesses first, so the budget counts them; the plan
+        then keeps only the guesses it computes."""
+        drafted = self.speculator.propose(self.running)
+        try:
+            out = self._plan()
+        except BaseException:
+            for seq in drafted:
+                drop_drafts(seq)
+            raise
+        if drafted:
+            fit_drafts(drafted, out.scheduled)
+            out.drafted = drafted
+        return out
+
+    def _plan(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
@@ -134,3 +177,119 @@ class Scheduler:
             scheduled_ids.add(id(seq))
             budget -= n
         return out
+
+    # ----------------------------------------------------------------- apply
+    def update_from_output(self, plan: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
+        """Apply a computed step to each planned sequence; return the outputs of those it touched.
+
+        A failure here fails that sequence alone, as does an error the executor carried over (a sequence that
+        failed even when run alone)."""
+        if plan.drafted and out.forward_seconds is not None:
+            self.speculator.observe_step(out.forward_seconds)
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        flags, records, sampled, verified, errors = (out.sample_flags, out.prompt_records, out.sampled,
+                                                     out.verified, out.errors)
+        for i, item in enumerate(plan.scheduled):
+            if errors and i in errors:
+                outputs.append(self.fail(item.seq, errors[i]))
+                continue
+            try:
+                if i in verified:
+                    res = self._commit_checked(item, verified[i], now)
+                else:
+                    res = self._commit_one(item, flags[i], records.get(i), sampled.get(i), now)
+            except Exception as exc:  # noqa: BLE001 - a bug for this request only
+                res = self.fail(item.seq, exc)
+            if res is not None:
+                outputs.append(res)
+        return outputs
+
+    def _commit_one(self, item: ScheduledSeq, sample_flag: bool,
+                    prompt_records: tuple[int, list[LogprobRecord]] | None,
+                    sampled: tuple[int, LogprobRecord | None] | None, now: float) -> RequestOutput | None:
+        """A step without guesses: the computed tokens' KV is kept, and a sampled token appended."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_tokens
+        self.bm.commit_full_blocks(seq)
+        if prompt_records is not None:
+            first, recs = prompt_records
+            for r, rec in enumerate(recs):
+                if first + r == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(rec)
+        if not sample_flag:
+            # prefill-only requests (max_tokens == 0) finish once their prompt is computed
+            if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                seq.finish_reason = "length"
+                return self.finish(seq)
+            return None
+        tok, lp = sampled
+        seq.token_ids.append(tok)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if lp is not None:
+            seq.logprobs.append(lp)
+        stopped = stopped_after(seq, tok, self.max_model_len)
+        lps = [lp] if lp is not None else None
+        if stopped:
+            return self.finish(seq, [tok], lps)
+        return request_output(seq, [tok], lps, finished=False)
+
+    def _commit_checked(self, item: ScheduledSeq, greedy: list[int], now: float) -> RequestOutput:
+        """A step that checked guesses: the kept ones and the model's own token (``Speculator.commit``)."""
+        seq = item.seq
+        new_ids: list[int] = []
+        try:
+            stopped = self.speculator.commit(seq, greedy, now, new_ids)
+        finally:
+            self.generation_tokens_total += len(new_ids)
+        self.bm.commit_full_blocks(seq)
+        if stopped:
+            return self.finish(seq, new_ids)
+        return request_output(seq, new_ids, None, finished=False)
+
+    # ----------------------------------------------------------------- finish
+    def finish(self, seq: Sequence, new_ids: list[int] | None = None,
+               new_lp: list[LogprobRecord] | None = None) -> RequestOutput:
+        """End a request now (``finish_reason`` set): out of its queue, its blocks and a draft model's for it
+        freed, its id in ``finished_ids``; returns its last output."""
+        self.remove(seq)
+        self.speculator.release(seq.request_id)
+        self.requests_finished_total += 1
+        out = request_output(seq, new_ids or [], new_lp, finished=True)
+        self.requests.pop(seq.request_id, None)
+        self.finished_ids.append(seq.request_id)
+        return out
+
+    def fail(self, seq: Sequence, exc: BaseException) -> RequestOutput:
+        """Finish one request because serving it raised: one request's failure never fails the engine."""
+        log.error("request %s failed inside the engine: %s: %s", seq.request_id, type(exc).__name__, exc,
+                  exc_info=exc)
+        self.requests_failed_total += 1
+        seq.finish_reason = "error"
+        out = self.finish(seq)
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request the client gave up on; None when it is not here (finished already, say)."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        seq.finish_reason = "abort"
+        return self.finish(seq)
+
+    def make_stats(self, num_queued: int, num_steps: int) -> EngineStats:
+        """A snapshot for /metrics; ``num_queued`` requests wait in the engine's inbox, not here yet."""
+        bm, spec = self.bm, self.speculator
+        return EngineStats(num_running=len(self.running), num_waiting=len(self.waiting) + num_queued,
+                           kv_usage=bm.usage(), prefix_cache_hits=bm.prefix_cache_hits,
+                           prefix_cache_queries=bm.prefix_cache_queries, num_preemptions=self.num_preemptions,
+                           num_blocks=bm.num_blocks, block_size=bm.block_size, num_free_blocks=bm.num_free_blocks,
+                           prompt_tokens_total=self.prompt_tokens_total,
+                           generation_tokens_total=self.generation_tokens_total,
+                           requests_finished_total=self.requests_finished_total, num_steps=num_steps,
+                           spec_draft_tokens_total=spec.stats.drafted,
+                           spec_accepted_tokens_total=spec.stats.accepted,
+                           spec_draft_cost_ratio=spec.draft_cost_ratio)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from serving.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from serving.engine.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -49,6 +53,8 @@ class Sequence:
     generator: object = None
     # guessed tokens at the end of token_ids, pending the check of this step (speculative decoding)
     draft_token_ids: list[int] = field(default_factory=list)
+    # the request's text so far and its stop strings (None when the model has no tokenizer)
+    detokenizer: IncrementalDetokenizer | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

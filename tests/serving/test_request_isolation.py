@@ -35,14 +35,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def test_a_sampler_fault_fails_only_the_faulty_request(engine):
     reference = _run(engine, {k: v for k, v in PROMPTS.items() if k != POISON}, GREEDY)
-    real_sampler = engine.sampler
+    real_sampler = engine.executor.sampler
 
     def faulty_sampler(logits, seqs):  # injected fault: this request's parameters "crash" the sampler
         if any(s.request_id == POISON for s in seqs):
             raise ValueError("Overflow when unpacking long long")
         return real_sampler(logits, seqs)
 
-    engine.sampler = faulty_sampler
+    engine.executor.sampler = faulty_sampler
     done = _run(engine, PROMPTS, GREEDY)
     assert done[POISON].finish_reason == "error" and "Overflow" in done[POISON].error
     for rid in ("a", "b"):  # batch-mates finish exactly as they would have alone
@@ -50,7 +50,7 @@ def test_a_sampler_fault_fails_only_the_faulty_request(engine):
     stats = engine.stats()
     assert stats.num_running == 0 and stats.kv_usage == 0.0  # the failed request's blocks are free
     assert engine.requests_failed_total == 1
-    engine.sampler = real_sampler  # and the engine serves on
+    engine.executor.sampler = real_sampler  # and the engine serves on
     assert _run(engine, {"c": [40, 41]}, GREEDY)["c"].error is None
 
 
@@ -58,7 +58,7 @@ def test_a_fault_while_applying_a_token_fails_only_that_request(engine):
     engine.add_request("a", PROMPTS["a"], GREEDY)
     engine.add_request(POISON, PROMPTS[POISON], GREEDY)
     engine.step()  # both admitted and prefilled; detokenizers exist now
-    detok = engine.detoks[POISON]
+    detok = engine.scheduler.requests[POISON].detokenizer
 
     def faulty_add_token(token):  # injected fault in the per-request post-processing
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")

@@ -1,33 +1,37 @@
-"""Scheduler: token budget, chunked prefill, decode priority, preemption by recompute, queue limits."""
+"""Scheduler: token budget, chunked prefill, decode priority, preemption by recompute, queue limits; applying a
+step's output (tokens, finishes, errors)."""
 
 from __future__ import annotations
 
 import pytest
 
-from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
+from serving.engine.outputs import ModelOutput, RequestOutput
 from serving.engine.sampling_params import SamplingParams
-from serving.engine.scheduler import Scheduler
+from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=4, **cfg) -> Scheduler:
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, **cfg)
-    return Scheduler(config, BlockManager(num_blocks, block_size, config.enable_prefix_caching))
+    return Scheduler(config, num_blocks, max_model_len=num_blocks * block_size)
 
 
 def seq(rid: str, n: int, arrival: float, start: int = 0) -> Sequence:
     return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=64), arrival_time=arrival)
 
 
-def execute(sched: Scheduler, out, sampled_token: int = 1) -> None:
-    """Stand-in for the runner: mark computed, append a token when the sequence finished its prefill."""
-    for item in out.scheduled:
-        s = item.seq
-        s.num_computed_tokens += item.num_tokens
-        sched.bm.commit_full_blocks(s)
-        if s.num_computed_tokens == s.num_tokens:
-            s.token_ids.append(sampled_token)
+def planned(out: SchedulerOutput) -> dict[str, int]:
+    """The plan as ``{request_id: num_tokens}``, in the order it was made."""
+    return {item.seq.request_id: item.num_tokens for item in out.scheduled}
+
+
+def execute(sched: Scheduler, out: SchedulerOutput, sampled_token: int = 1) -> list[RequestOutput]:
+    """Stand-in for the executor: a sequence that finishes its prefill in this step samples ``sampled_token``;
+    the scheduler applies that as it applies a real step."""
+    flags = [item.seq.num_computed_tokens + item.num_tokens == item.seq.num_tokens for item in out.scheduled]
+    sampled = {i: (sampled_token, None) for i, flag in enumerate(flags) if flag}
+    return sched.update_from_output(out, ModelOutput(flags, sampled=sampled))
 
 
 def test_budget_limits_tokens_per_step_and_chunks_long_prompts():
@@ -35,9 +39,10 @@ def test_budget_limits_tokens_per_step_and_chunks_long_prompts():
     long = seq("long", 40, 0.0)
     sched.add(long)
     out = sched.schedule()
-    assert out.plan() == {"long": 16}
-    execute(sched, out)
-    assert sched.schedule().plan() == {"long": 16}
+    assert planned(out) == {"long": 16}
+    assert execute(sched, out) == []  # a prompt chunk outputs nothing
+    assert long.num_computed_tokens == 16
+    assert planned(sched.schedule()) == {"long": 16}
 
 
 def test_long_prompt_does_not_stall_running_decodes():
@@ -48,11 +53,11 @@ def test_long_prompt_does_not_stall_running_decodes():
     sched.add(seq("long", 100, 1.0, start=500))
     for _ in range(4):
         out = sched.schedule()
-        plan = out.plan()
+        plan = planned(out)
         assert plan["short"] == 1  # every step, the decode runs
         assert plan["long"] == 15  # the prompt takes what is left of the budget
-        assert out.num_tokens <= 16
-        execute(sched, out)
+        assert sum(plan.values()) <= 16
+        assert [o.request_id for o in execute(sched, out)] == ["short"]
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
@@ -60,14 +65,14 @@ def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     a, b = seq("a", 10, 0.0), seq("b", 10, 1.0, start=100)
     sched.add(a)
     sched.add(b)
-    assert sched.schedule().plan() == {"a": 10}  # b does not fit the rest of the budget, whole or not
+    assert planned(sched.schedule()) == {"a": 10}  # b does not fit the rest of the budget, whole or not
 
 
 def test_max_num_seqs_caps_the_running_batch():
     sched = make(max_num_seqs=2)
     for i in range(4):
         sched.add(seq(f"s{i}", 3, float(i), start=10 * i))
-    assert set(sched.schedule().plan()) == {"s0", "s1"}
+    assert set(planned(sched.schedule())) == {"s0", "s1"}
     assert len(sched.waiting) == 2
 
 
@@ -75,7 +80,7 @@ def test_admission_waits_for_free_blocks():
     sched = make(num_blocks=4, block_size=4)
     sched.add(seq("a", 12, 0.0))
     sched.add(seq("b", 8, 1.0, start=100))
-    assert set(sched.schedule().plan()) == {"a"}  # a holds 3 of 4 blocks; b needs 2
+    assert set(planned(sched.schedule())) == {"a"}  # a holds 3 of 4 blocks; b needs 2
     assert [s.request_id for s in sched.waiting] == ["b"]
 
 
@@ -88,7 +93,7 @@ def test_preemption_by_recompute_frees_the_newest_and_requeues_it():
     assert sched.bm.num_free_blocks == 0
     out = sched.schedule()  # a needs a third block for token 9: b is preempted
     assert [s.request_id for s in out.preempted] == ["b"]
-    assert out.plan() == {"a": 1}
+    assert planned(out) == {"a": 1}
     assert b.status == SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
     assert b.token_ids[-1] == 1  # its output token is kept; it will be recomputed, not resampled
     assert sched.num_preemptions == 1 and sched.waiting[0] is b
@@ -96,12 +101,54 @@ def test_preemption_by_recompute_frees_the_newest_and_requeues_it():
 
 def test_finished_sequences_leave_and_free_blocks_in_that_step():
     sched = make(num_blocks=8)
-    a = seq("a", 9, 0.0)
+    a = Sequence("a", list(range(9)), SamplingParams(max_tokens=2), arrival_time=0.0)
+    sched.add(a)
+    (first,) = execute(sched, sched.schedule())
+    assert not first.finished and first.delta_token_ids == [1]
+    assert sched.bm.num_used_blocks == 3
+    (last,) = execute(sched, sched.schedule(), sampled_token=2)
+    assert last.finished and last.finish_reason == "length" and last.token_ids == [1, 2]
+    assert sched.bm.usage() == 0.0 and not sched.has_unfinished()
+    assert sched.finished_ids == ["a"] and "a" not in sched.requests
+
+
+def test_stop_rules_end_a_sequence_on_the_token_that_meets_them():
+    sched = make()
+    stop_id = Sequence("id", [5, 6], SamplingParams(max_tokens=8, stop_token_ids=[7]), arrival_time=0.0)
+    early = Sequence("eos", [5, 6], SamplingParams(max_tokens=8, min_tokens=2), eos_token_ids=frozenset({7}),
+                     arrival_time=1.0)
+    for s in (stop_id, early):
+        sched.add(s)
+    outs = execute(sched, sched.schedule(), sampled_token=7)
+    assert [(o.request_id, o.finished) for o in outs] == [("id", True), ("eos", False)]
+    assert outs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == 7
+    (out,) = execute(sched, sched.schedule(), sampled_token=7)  # eos counts once min_tokens are out
+    assert out.finished and out.finish_reason == "stop" and out.token_ids == [7, 7]
+    assert sched.bm.usage() == 0.0 and sched.generation_tokens_total == 3
+
+
+def test_an_error_from_the_executor_fails_that_sequence_alone():
+    sched = make()
+    a, b = seq("a", 3, 0.0), seq("b", 3, 1.0, start=100)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    outs = sched.update_from_output(out, ModelOutput([True, True], sampled={1: (9, None)},
+                                                      errors={0: RuntimeError("boom")}))
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "error"), ("b", False, None)]
+    assert outs[0].error == "RuntimeError: boom" and sched.requests_failed_total == 1
+    assert sched.running == [b] and b.token_ids[-1] == 9 and b.num_computed_tokens == 3
+
+
+def test_abort_finishes_a_waiting_or_running_request_and_frees_its_blocks():
+    sched = make()
+    a, b = seq("a", 5, 0.0), seq("b", 5, 1.0, start=100)
     sched.add(a)
     execute(sched, sched.schedule())
-    assert sched.bm.num_used_blocks == 3
-    sched.remove(a)
-    assert sched.bm.usage() == 0.0 and not sched.has_unfinished()
+    sched.add(b)
+    assert sched.abort("a").finish_reason == "abort" and sched.abort("b").finish_reason == "abort"
+    assert sched.abort("a") is None  # gone already
+    assert sched.bm.usage() == 0.0 and not sched.has_unfinished() and sched.finished_ids == ["a", "b"]
 
 
 def test_priority_then_arrival_orders_admission():
@@ -110,7 +157,7 @@ def test_priority_then_arrival_orders_admission():
     late_urgent.priority = -1
     sched.add(seq("early", 3, 0.0, start=50))
     sched.add(late_urgent)
-    assert list(sched.schedule().plan()) == ["urgent"]
+    assert list(planned(sched.schedule())) == ["urgent"]
 
 
 def test_engine_admission_rejects_unservable_and_overflowing_queues(tiny_model_dir):

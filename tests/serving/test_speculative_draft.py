@@ -289,8 +289,8 @@ def test_a_tiny_draft_cache_gives_fewer_guesses_and_the_same_output(plain, small
     roomy.generate(prompts, GREEDY)
     tiny = _engine(micro_base_dir, draft=micro_1layer_dir)
     # 4 blocks of 8 tokens: room for one or two short contexts, never for all three to the end
-    tiny.proposer = DraftModelProposer(micro_1layer_dir, tiny.config, tiny.runner.vocab_size, tiny.tokenizer,
-                                       num_blocks=4)
+    tiny.scheduler.speculator.proposer = DraftModelProposer(micro_1layer_dir, tiny.config, tiny.runner.vocab_size,
+                                                            tiny.tokenizer, num_blocks=4)
     got = tiny.generate(prompts, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.finish_reason == "length" for o in got)
