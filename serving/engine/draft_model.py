@@ -24,9 +24,10 @@ Each guess costs a draft pass, so a request is asked for as many guesses as it h
 (``speculative.next_lookahead``), and never for more than are worth their passes (``speculative.GuessBudget``:
 the draft's measured pass time against the target's step time, and the share of guesses kept). Where not
 even one is worth it (a draft about as slow as a 4-bit target, on text it guesses badly), the request gets no
-guesses, except one now and then (after ``PROBE_EVERY`` steps, then twice as many after each such probe) to
-keep its record current; a draft whose pass costs more than a target step waits the longest between probes,
-since no share of guesses kept would pay for it.
+guesses, except in a measurement pass now and then (one guess after ``MEASURE_EVERY`` steps, then twice as
+many steps after each such pass) that times the draft again and keeps the request's record current; a draft
+whose pass costs more than a target step waits the longest between measurement passes, since no share of
+guesses kept would pay for it.
 
 The draft never fails the target: a sequence whose draft cannot get blocks, or whose pass raises (alone, once
 the batch is retried piecewise), gets no guess this step. A request's draft blocks go back when it leaves the
@@ -51,14 +52,15 @@ from serving.engine.scheduler import ScheduledSeq
 from serving.engine.sequence import Sequence
 from serving.engine.speculative import GuessBudget, expected_yield, next_lookahead
 
-__all__ = ["MAX_PROBE_EVERY", "PROBE_EVERY", "DraftModelProposer", "draft_cache_blocks"]
+__all__ = ["MAX_MEASURE_EVERY", "MEASURE_EVERY", "DraftModelProposer", "draft_cache_blocks"]
 
 log = logging.getLogger(__name__)
 
-# a request with no guess worth a pass still gets one guess after this many steps, to re-measure; the wait
-# doubles after each such probe (up to MAX_PROBE_EVERY) and starts over once guesses pay again
-PROBE_EVERY = 8
-MAX_PROBE_EVERY = 128
+# a request with no guess worth a pass still gets one guess after this many steps (a measurement pass, which
+# times the draft again); the wait doubles after each such pass (up to MAX_MEASURE_EVERY) and starts over once
+# guesses pay again
+MEASURE_EVERY = 8
+MAX_MEASURE_EVERY = 128
 
 
 def draft_cache_blocks(config: EngineConfig, target_blocks: int) -> int:
@@ -74,7 +76,7 @@ class _Draft:
     kept: float = 0.0  # decayed guesses kept, and checked (GuessBudget): this request's acceptance
     checked: float = 0.0
     skipped: int = 0  # steps in a row without a guess because none was worth a pass
-    probe_every: int = PROBE_EVERY  # skipped steps before the next one-guess probe
+    measure_every: int = MEASURE_EVERY  # skipped steps before the next measurement pass (one guess)
 
 
 class DraftModelProposer:
@@ -170,14 +172,14 @@ class DraftModelProposer:
         if worth == 0:
             self._say_costly()
             if (self.budget.cost_ratio or 0.0) >= 1.0:  # slower than a target step: no acceptance would pay
-                draft.probe_every = MAX_PROBE_EVERY
+                draft.measure_every = MAX_MEASURE_EVERY
             draft.skipped += 1
-            if draft.skipped < draft.probe_every:
+            if draft.skipped < draft.measure_every:
                 return 0
-            draft.probe_every = min(2 * draft.probe_every, MAX_PROBE_EVERY)
+            draft.measure_every = min(2 * draft.measure_every, MAX_MEASURE_EVERY)
             draft.skipped = 0
             return min(2, room)  # the catch-up over the steps it missed, and one decode-sized pass to re-measure
-        draft.probe_every = PROBE_EVERY
+        draft.measure_every = MEASURE_EVERY
         draft.skipped = 0
         return min(draft.lookahead or self.k, worth, room)
 

@@ -197,11 +197,11 @@ def test_lookup_then_draft_guesses_from_the_context_where_it_repeats_and_from_th
     assert proposer.draft.block_manager.num_free_blocks == 64
 
 
-def test_a_draft_costlier_than_a_target_step_is_asked_for_nothing_but_rare_probes(micro_1layer_dir):
+def test_a_draft_costlier_than_a_target_step_is_asked_for_nothing_but_rare_measurement_passes(micro_1layer_dir):
     """The proposer alone, told (as the engine tells it after each step) that the target's forward took far
     less than the draft's passes: no share of guesses kept could pay, so a request gets no guesses except a
-    probe after ``MAX_PROBE_EVERY`` steps, which measures the cost again."""
-    from serving.engine.draft_model import MAX_PROBE_EVERY
+    measurement pass after ``MAX_MEASURE_EVERY`` steps, which times the draft again."""
+    from serving.engine.draft_model import MAX_MEASURE_EVERY
     from serving.engine.sequence import Sequence
 
     k = 4
@@ -222,10 +222,10 @@ def test_a_draft_costlier_than_a_target_step_is_asked_for_nothing_but_rare_probe
     for _ in range(2):  # warming up, then a measured step: a pass costs 10**4 x a "target step"
         assert len(step(1e-8)) == k
     assert proposer.budget.cost_ratio > 1.0
-    counts = [len(step(1e-8)) for _ in range(MAX_PROBE_EVERY - 1)]
-    assert counts == [0] * (MAX_PROBE_EVERY - 1)
+    counts = [len(step(1e-8)) for _ in range(MAX_MEASURE_EVERY - 1)]
+    assert counts == [0] * (MAX_MEASURE_EVERY - 1)
     before = proposer.budget.cost_ratio
-    assert len(step(10.0)) == 2  # the probe: a catch-up over the missed tokens and one decode-sized pass
+    assert len(step(10.0)) == 2  # the measurement pass: a catch-up over the missed tokens and one decode-sized pass
     assert proposer.budget.cost_ratio < before  # measured again, against a slow target this time
 
 
