@@ -120,6 +120,7 @@ class Scheduler:
         return out
 
     def _plan(self) -> SchedulerOutput:
+        """The budget loop of the module docstring: running sequences first, then admissions."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
