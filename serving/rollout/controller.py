@@ -6,9 +6,9 @@
 
 Each ``tick`` first finishes a transition a previous process left half-done, then reads what a person
 asked for in the MLflow UI (the ``champion`` alias, the ``rollout.action`` tag), then checks the
-candidate's replicas, and when the phase's window has run its time, judges it. Every change is a
-``Transition`` written down before it is applied (see ``state.py``), so kill -9 at any instant loses
-nothing and repeats nothing.
+candidate's replicas, and when the phase's window has run its time, judges it (``phase_judge.py``). Every
+change is a ``Transition`` written down before it is applied (see ``state.py``), so kill -9 at any instant
+loses nothing and repeats nothing. What MLflow shows of it all is written by ``recording.py``.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from serving.rollout import analysis as A
-from serving.rollout import report
+from serving.rollout import recording, report
 from serving.rollout.analysis import Analysis
 from serving.rollout.crash import crash_point
 from serving.rollout.gateway_client import GatewayAdmin, read_secret
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS
-from serving.rollout.probes import load_probes, run_probes
+from serving.rollout.phase_judge import PhaseJudge
 from serving.rollout.registry_console import ACTIONS, RegistryConsole
 from serving.rollout.state import (
     AWAITING_APPROVAL,
@@ -65,7 +64,7 @@ class Controller:
         self.gateway = GatewayAdmin(spec.gateway_url, read_secret(spec.admin_key_file))
         self.run = RolloutRun(spec.tracking_uri, self.state.mlflow_run_id)
         self.say = say or (lambda line: log.info("%s", line))
-        self.alpha = A.planned_alpha(self.plan)
+        self.judge = PhaseJudge(self.plan, self.gateway, self.console, self.say)
 
     # ----------------------------------------------------------------- creation
     @classmethod
@@ -86,15 +85,10 @@ class Controller:
 
     def _begin(self) -> None:
         spec = self.state.spec
-        run_id = self.run.start(
-            f"{spec.model_name} v{spec.candidate_version} vs v{spec.champion_version}",
-            {"model": spec.model_name, "candidate_version": spec.candidate_version,
-             "champion_version": spec.champion_version, "start": spec.start, **self.plan.flat_params()},
-            {"rollout.id": self.state.id, "rollout.status": "running", "rollout.candidate": spec.candidate_version,
-             "rollout.champion": spec.champion_version})
-        self.state.mlflow_run_id = run_id
+        self.state.mlflow_run_id = recording.start_run(self.run, self.state)
         self._save()
-        self.console.set_tags(spec.candidate_version, {"rollout.run": run_id, "rollout.verdict": "–"})
+        self.console.set_tags(spec.candidate_version, {"rollout.run": self.state.mlflow_run_id,
+                                                       "rollout.verdict": "–"})
         if spec.start == SHADOW and self.plan.baseline_seconds > 0:
             self._enter(BASELINE, "rollout started: measuring the noise floor (champion mirrored to itself)")
         elif spec.start == SHADOW and self.plan.shadow_seconds > 0:
@@ -237,117 +231,11 @@ class Controller:
 
     # ----------------------------------------------------------------- judging a phase
     def _analyse(self) -> None:
-        spec, state = self.state.spec, self.state
-        now = time.time()
-        window = self.gateway.window(state.phase_started_at, now, disagreements=10)
-        champ = ("champion", spec.champion_version)
-        look = len(state.analyses) + 1
-        if state.phase == BASELINE:
-            result = self._judge_floor(window, look, now)
-        else:
-            verdicts = []
-            step = self.plan.steps[state.step_index] if state.phase == CANARY else None
-            if state.phase == SHADOW:
-                verdicts += A.systems_verdicts(window, ("shadow", spec.candidate_version), champ, self.plan.gates,
-                                               self.alpha, self.plan.shadow_min_pairs, streamed=False)
-                verdicts.append(A.agreement_verdict(window, spec.champion_version, spec.candidate_version,
-                                                    state.floor, self.plan.gates, self.alpha,
-                                                    self.plan.shadow_min_pairs))
-            else:
-                since = self._canary_since()
-                rates = window if since >= state.phase_started_at else self.gateway.window(since, now,
-                                                                                           disagreements=0)
-                verdicts += A.systems_verdicts(window, ("canary", spec.candidate_version), self._reference(),
-                                               self.plan.gates, self.alpha, step.min_requests, streamed=True,
-                                               rates_window=rates)
-            if not self._behaviour_settled():
-                verdicts += self._behaviour_verdicts()
-            candidate_variant = ("shadow" if state.phase == SHADOW else "canary", spec.candidate_version)
-            reference = champ if state.phase == SHADOW else self._reference()
-            compared = ("shadow", "champion") if state.phase == SHADOW else ("canary", reference[0])
-            minimum = self.plan.shadow_min_pairs if state.phase == SHADOW else step.min_requests
-            result = Analysis(look, state.phase, state.weight, state.phase_started_at, now, verdicts,
-                              A.metrics_of(verdicts, window, candidate_variant, reference, state.weight),
-                              window.get("disagreements", []) if state.phase == SHADOW else [],
-                              A.traffic_rows(window),
-                              A.traffic_advice(window, compared, state.weight, now - state.phase_started_at,
-                                               minimum),
-                              sorted(state.waivers))
+        result = self.judge.analyse(self.state)
         self.state.analyses.append(result.to_json())
         self._save()
-        self._report(result)
+        recording.record_analysis(self.console, self.run, self.state, result, self.say)
         self._decide(result)
-
-    def _canary_since(self) -> float:
-        """When this rollout's canary phase began (its first step): the rate gates count from there."""
-        starts = [d["at"] for d in self.state.decisions if d["kind"] == "phase" and d["to"].startswith("canary")]
-        return min(starts, default=self.state.phase_started_at)
-
-    def _reference(self) -> tuple[str, str]:
-        """What a canary step is judged against: the baseline replica, or the champion pool without one."""
-        spec = self.state.spec
-        return ("baseline" if spec.baseline_replicas else "champion", spec.champion_version)
-
-    def _judge_floor(self, window: dict[str, Any], look: int, now: float) -> Analysis:
-        spec = self.state.spec
-        counts = A.pair_counts(window, spec.champion_version, spec.champion_version)
-        enough = counts["compared"] >= self.plan.baseline_min_pairs
-        from serving.rollout.judge import Verdict
-
-        agreement = counts["agree"] / counts["compared"] if counts["compared"] else None
-        verdict = Verdict("noise_floor", PASS if enough else INCONCLUSIVE, agreement, None, "measured", None,
-                          counts["compared"], self.plan.baseline_min_pairs,
-                          f"champion agrees with itself on {counts['agree']}/{counts['compared']} mirrored requests"
-                          if counts["compared"] else "no mirrored requests yet")
-        if enough:
-            self.state.floor = counts
-        return Analysis(look, BASELINE, 0.0, self.state.phase_started_at, now, [verdict],
-                        {"noise_floor.agreement": agreement or 0.0, "noise_floor.pairs": counts["compared"]},
-                        window.get("disagreements", []))
-
-    def _behaviour_settled(self) -> bool:
-        """Whether the probes and the offline record have passed at some look of this rollout.
-
-        They are judged at every look until they pass, then not again (the probes run at temperature 0, so
-        a passed probe set would only pass again). Judging them once per rollout would let a verdict that
-        was inconclusive at the first look vanish from the next one: a silent pass.
-        """
-        waived = self.state.waivers
-        for analysis in self.state.analyses:
-            behaviour = [v for v in analysis["verdicts"] if A.is_behaviour_gate(v["gate"])]
-            if behaviour and all(v["outcome"] == PASS or (v["gate"] in waived and v["outcome"] != FAIL)
-                                 for v in behaviour):
-                return True
-        return False
-
-    def _behaviour_verdicts(self) -> list:
-        spec = self.state.spec
-        verdicts = []
-        items = load_probes(self.plan.probes)
-        if items:
-            candidate_variant = "shadow" if self.state.phase == SHADOW else "canary"
-            self.say(f"probing champion and candidate with {len(items)} verifiable prompts")
-            champion = run_probes(self.gateway, "champion", items, self.plan.probes).to_json()
-            if self.state.phase == CANARY and spec.baseline_replicas:
-                # in a canary step the same probes go to the baseline at the same time, so the load they add
-                # falls on both replicas the latency gates compare, not on the candidate's alone
-                with ThreadPoolExecutor(2) as pool:
-                    mirrored = pool.submit(run_probes, self.gateway, "baseline", items, self.plan.probes)
-                    candidate = run_probes(self.gateway, candidate_variant, items, self.plan.probes).to_json()
-                    mirrored.result()
-            else:
-                candidate = run_probes(self.gateway, candidate_variant, items, self.plan.probes).to_json()
-            scores = {"champion": champion, "candidate": candidate}
-            self.state.probes = scores
-            verdicts += A.probe_verdicts(scores, self.plan.gates, self.alpha)
-        record = self.console.eval_record(spec.candidate_version)
-        passed = spec.eval_passed if spec.eval_passed is not None else None if record is None else record["passed"]
-        verdict = A.eval_record_verdict(passed, self.plan.gates)
-        if verdict is not None:
-            verdicts.append(verdict)
-        verdicts += A.offline_verdicts(record, self.console.eval_record(spec.champion_version), self.plan.gates,
-                                       self.alpha)
-        return verdicts
 
     def _decide(self, result: Analysis) -> None:
         state, outcome = self.state, result.outcome
@@ -538,8 +426,8 @@ class Controller:
             self._save()
         state.pending = None
         self._save()
-        self._tag_versions()
-        self._write_artifacts()
+        recording.tag_versions(self.console, self.run, self.state)
+        recording.write_artifacts(self.run, self.state)
 
     def _label(self, phase: str, step_index: int) -> str:
         if phase in (CANARY, AWAITING_APPROVAL) and 0 <= step_index < len(self.plan.steps):
@@ -553,66 +441,6 @@ class Controller:
         self.state.decisions.append(entry)
         line = report.timeline_lines(self.state)[-1]
         self.say(line)
-
-    # ----------------------------------------------------------------- what MLflow shows
-    def _tag_versions(self) -> None:
-        spec, state = self.state.spec, self.state
-        phase = state.phase
-        label = {CANARY: f"canary {state.weight:g}%", AWAITING_APPROVAL: f"awaiting approval at {state.weight:g}%",
-                 PAUSED: "paused", BAKE: "promoted (baking)", ROLLED_BACK: "rolled back",
-                 BASELINE: "shadow (measuring floor)"}.get(phase, phase)
-        tags = {"rollout.state": label}
-        if state.reason and phase in (PAUSED, ROLLED_BACK, AWAITING_APPROVAL):
-            tags["rollout.reason"] = state.reason[:240]
-        self.console.set_tags(spec.candidate_version, tags)
-        if phase in (BAKE, PROMOTED):
-            self.console.set_tags(spec.champion_version, {"rollout.state": "previous champion"})
-        self.run.set_tags({"rollout.status": phase, "rollout.phase": label,
-                           **({"rollout.reason": state.reason} if state.reason else {})})
-
-    def _report(self, result: Analysis) -> None:
-        spec = self.state.spec
-        self.run.log_step(result.look, result.metrics)
-        self.console.set_tags(spec.candidate_version, {"rollout.verdict": result.summary[:240],
-                                                       "rollout.vs_champion": self._vs_champion()})
-        self.say(f"analysis {result.look} ({result.phase}{f' {result.weight:g}%' if result.weight else ''}): "
-                 f"{result.summary}")
-        for v in result.verdicts:
-            self.say(f"    {v.gate:<24} {v.outcome:<12} {v.reason}")
-        if result.disagreements and result.phase == SHADOW:
-            self.run.log_text(report.disagreements_markdown(self.state, result.disagreements), "disagreements.md")
-
-    def _vs_champion(self) -> str:
-        """The numbers a person wants on the version row: agreement vs floor, latency ratios, accuracy delta."""
-        parts = []
-        latest: dict[str, Any] = {}
-        for a in self.state.analyses:
-            for v in a["verdicts"]:
-                latest[v["gate"]] = v
-        if "agreement" in latest and latest["agreement"]["candidate"] is not None:
-            v = latest["agreement"]
-            floor = 1 - v["baseline"] if v["baseline"] is not None else None
-            parts.append(f"agree {1 - v['candidate']:.2f}" + (f" (floor {floor:.2f})" if floor is not None else ""))
-        for gate, label in (("ttft_ratio", "TTFT"), ("itl_ratio", "ITL"), ("ms_per_token_p95_ratio", "ms/tok p95")):
-            if gate in latest and latest[gate]["candidate"] is not None:
-                parts.append(f"{label} ×{latest[gate]['candidate']:.2f}")
-        if "probe_accuracy" in latest and latest["probe_accuracy"]["candidate"] is not None:
-            v = latest["probe_accuracy"]
-            parts.append(f"acc {(v['baseline'] - v['candidate']) * 100:+.0f} pts")
-        if "error_rate" in latest and latest["error_rate"]["candidate"] is not None:
-            parts.append(f"5xx {latest['error_rate']['candidate']:.3f}")
-        return " · ".join(parts) or "–"
-
-    def _write_artifacts(self) -> None:
-        self.run.log_json_lines(self.state.decisions, "decision_log.jsonl")
-        self.run.log_text(report.timeline_markdown(self.state), "timeline.md")
-        if self.state.analyses:
-            self.run.log_text(report.comparison_markdown(self.state), "comparison.md")
-            import matplotlib.pyplot as plt
-
-            figure = report.comparison_figure(self.state)
-            self.run.log_png(figure, "comparison.png")
-            plt.close(figure)
 
     def _save(self) -> None:
         self.files.save(self.state)

@@ -1,5 +1,6 @@
-"""What a person reads about a rollout: the timeline, the gate table per analysis, a plot, and the pairs
-where champion and candidate disagreed most. Plain functions of the persisted state."""
+"""What a person reads about a rollout: the timeline, the gate table per analysis, the version row's summary
+against the champion, a plot, and the pairs where champion and candidate disagreed most. Plain functions of
+the persisted state (``recording.py`` puts them in MLflow)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,28 @@ def comparison_markdown(state: RolloutState) -> str:
 
 def _num(value: Any) -> str:
     return "–" if value is None else f"{value:.3g}"
+
+
+def vs_champion(state: RolloutState) -> str:
+    """The numbers a person wants on the version row: agreement vs floor, latency ratios, accuracy delta."""
+    parts = []
+    latest: dict[str, Any] = {}
+    for a in state.analyses:
+        for v in a["verdicts"]:
+            latest[v["gate"]] = v
+    if "agreement" in latest and latest["agreement"]["candidate"] is not None:
+        v = latest["agreement"]
+        floor = 1 - v["baseline"] if v["baseline"] is not None else None
+        parts.append(f"agree {1 - v['candidate']:.2f}" + (f" (floor {floor:.2f})" if floor is not None else ""))
+    for gate, label in (("ttft_ratio", "TTFT"), ("itl_ratio", "ITL"), ("ms_per_token_p95_ratio", "ms/tok p95")):
+        if gate in latest and latest[gate]["candidate"] is not None:
+            parts.append(f"{label} ×{latest[gate]['candidate']:.2f}")
+    if "probe_accuracy" in latest and latest["probe_accuracy"]["candidate"] is not None:
+        v = latest["probe_accuracy"]
+        parts.append(f"acc {(v['baseline'] - v['candidate']) * 100:+.0f} pts")
+    if "error_rate" in latest and latest["error_rate"]["candidate"] is not None:
+        parts.append(f"5xx {latest['error_rate']['candidate']:.3f}")
+    return " · ".join(parts) or "–"
 
 
 def disagreements_markdown(state: RolloutState, pairs: list[dict[str, Any]]) -> str:
