@@ -1,0 +1,213 @@
+"""`deploy snapshot SOURCE`: resolve the snapshot to a local bundle, verify it in full, then put it in front of
+traffic. The first snapshot of a model becomes champion after a smoke check (so does one deployed
+``--as champion``); a later one gets a replica beside the champion's, a baseline replica of the champion,
+and a rollout run by the controller in the background (``control.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from artifacts.common.workdir import resolve_tracking_uri, resolve_workdir
+from serving.cli import ServeError, add_serve_arguments, engine_config_from_args
+from serving.deploy.control import actor, fleet_dir, follow, spawn_controller
+from serving.deploy.standalone import serve_standalone
+
+
+def deploy_snapshot(args: argparse.Namespace) -> int:
+    from artifacts.verify import verify_bundle
+
+    tracking_uri = _tracking_uri(args)
+    source: str = args.model
+    from_registry = source.startswith("models:/")
+    if not from_registry and not Path(source).is_dir():
+        raise ServeError(f"{source}: neither a bundle directory nor a models:/ URI")
+    if not from_registry and not (Path(source) / "manifest.json").is_file():
+        raise ServeError(f"{source}: not a bundle (no manifest.json); `lifecycle serve` serves plain model dirs")
+    bundle, model_name, version = _resolve(args, source, tracking_uri)
+    manifest = verify_bundle(bundle)
+    quant = manifest.quantization.method if manifest.quantization else "none"
+    print(f"verified {manifest.name} {manifest.version} ({quant}) at {bundle}"
+          + (f" = models:/{model_name}/{version}" if version else ""), flush=True)
+    if args.dry_run:
+        return 0
+    if args.standalone:
+        return serve_standalone(args, bundle, manifest.name, source if from_registry else None, tracking_uri)
+    return _into_fleet(args, bundle, model_name, version, tracking_uri)
+
+
+def _tracking_uri(args: argparse.Namespace) -> str:
+    return resolve_tracking_uri(args.tracking_uri)
+
+
+def _resolve(args: argparse.Namespace, source: str, tracking_uri: str) -> tuple[Path, str, str | None]:
+    """The verified local bundle, its registered model name, and its version (registering a dir if needed)."""
+    from artifacts.registry import get_version, resolve_bundle
+
+    dest = Path(args.dest) if args.dest else resolve_workdir().deployments
+    if source.startswith("models:/"):
+        ref = get_version(source, tracking_uri)
+        return resolve_bundle(source, dest, tracking_uri=tracking_uri), ref.name, ref.version
+    bundle = Path(source).resolve()
+    if args.dry_run or args.standalone:
+        return bundle, "", None
+    from artifacts.manifest import read_manifest
+    from artifacts.registry import find_version_by_digest, register_bundle
+
+    name = args.model_name or read_manifest(bundle).name
+    ref = find_version_by_digest(bundle, name, tracking_uri)
+    if ref is None:
+        ref = register_bundle(bundle, name, tracking_uri=tracking_uri,
+                              description=f"{name}: registered by `deploy snapshot` from {bundle}")
+        print(f"registered {bundle} as models:/{name}/{ref.version}", flush=True)
+    return bundle, name, ref.version
+
+
+# serve flags the fleet sets itself on every replica: the rest of what `deploy snapshot` was given goes on to
+# the snapshot's replica (see replica_serve_flags)
+_FLEET_OWNED = frozenset({"model", "host", "port", "served_model_name", "kv_memory", "threads", "log_level"})
+_PATH_VALUED = frozenset({"speculative_model"})
+
+
+def replica_serve_flags(args: argparse.Namespace) -> list[str]:
+    """The `lifecycle serve` flags of this command that differ from serve's defaults, as the replica's command
+    line: `deploy snapshot B --speculative-tokens 4 --speculative-model D` serves B's replica with speculation.
+    Paths become absolute (a replica does not start in this directory)."""
+    reference = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(reference)
+    flags: list[str] = []
+    for action in reference._actions:
+        if not action.option_strings or action.dest in _FLEET_OWNED:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(action.option_strings[0 if value else 1])
+        elif action.nargs == 0:  # store_true
+            flags.append(action.option_strings[0])
+        else:
+            text = str(Path(value).resolve()) if action.dest in _PATH_VALUED else str(value)
+            flags += [action.option_strings[0], text]
+    return flags
+
+
+def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version: str, tracking_uri: str) -> int:
+    from serving.rollout.fleet import LocalFleet
+    from serving.rollout.registry_console import RegistryConsole
+
+    engine_config_from_args(args)  # validates --kv-memory and friends before anything starts
+    fleet = LocalFleet(fleet_dir(args), model_name, tracking_uri, gateway_port=args.gateway_port,
+                       threads=args.threads, kv_memory=args.kv_memory)
+    _refuse_if_rolling(fleet)
+    flags = replica_serve_flags(args)
+    if flags:
+        print(f"v{version}'s replica serves with: {' '.join(flags)}", flush=True)
+    console = RegistryConsole(model_name, tracking_uri)
+    champion = console.alias_version("champion")
+    if champion == version:
+        replica = fleet.start_replica(bundle, version, serve_flags=flags)
+        url = _ensure_routed_champion(fleet, replica)
+        print(f"version {version} is already champion; serving it at {url}/v1 (model {model_name!r})")
+        return 0
+    if champion is None or args.role == "champion":
+        return _install(fleet, bundle, model_name, version, champion, tracking_uri, flags)
+    return _start_rollout(args, fleet, bundle, model_name, version, champion, tracking_uri, flags)
+
+
+def _refuse_if_rolling(fleet) -> None:
+    from serving.rollout.state import StateFile
+
+    if fleet.record.rollout_dir and StateFile(fleet.record.rollout_dir).exists():
+        state = StateFile(fleet.record.rollout_dir).load()
+        if not state.terminal:
+            raise ServeError(f"a rollout of v{state.spec.candidate_version} is in progress ({state.phase}); "
+                             "`deploy rollback` or `deploy promote` it first")
+
+
+def _ensure_routed_champion(fleet, replica) -> str:
+    return fleet.ensure_gateway(champion=replica)
+
+
+def _install(fleet, bundle: Path, model_name: str, version: str, champion: str | None, tracking_uri: str,
+             flags: list[str]) -> int:
+    from serving.rollout.install import install_champion
+
+    replica = fleet.start_replica(bundle, version, serve_flags=flags)
+    url = fleet.ensure_gateway(champion=replica if champion is None else None)
+    cause = ("first champion: no champion before, so no canary to compare with" if champion is None
+             else f"deployed with --as champion over v{champion} (no rollout)")
+    result = install_champion(model_name=model_name, version=version, replica_url=replica.url,
+                              served_model=replica.served_model, gateway_url=url, admin_key=fleet.admin_key(),
+                              tracking_uri=tracking_uri, cause=cause, actor=actor())
+    from serving.rollout.gateway_client import GatewayAdmin
+
+    gateway = GatewayAdmin(url, fleet.admin_key())
+    try:
+        fleet.retire_unrouted(gateway.routing())
+    finally:
+        gateway.close()
+    print(f"v{version} is champion ({cause}); smoke check passed; MLflow run {result['run_id']}")
+    print(f"serving {model_name!r} at {url}/v1 (API key for replayed traffic: {fleet.user_key_file})")
+    return 0
+
+
+def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: str, version: str, champion: str,
+                   tracking_uri: str, flags: list[str]) -> int:
+    from artifacts.registry import resolve_bundle
+    from serving.rollout.controller import Controller
+    from serving.rollout.state import RolloutSpec
+
+    champion_replica = fleet.replica(champion)
+    if champion_replica is None:
+        champion_bundle = resolve_bundle(f"models:/{model_name}/{champion}", resolve_workdir().deployments,
+                                         tracking_uri=tracking_uri)
+        champion_replica = fleet.start_replica(champion_bundle, champion)
+    url = _ensure_routed_champion(fleet, champion_replica)
+    candidate, baseline = fleet.start_rollout_replicas(bundle, version, champion_replica, serve_flags=flags)
+    print(f"baseline for the canary steps: a fresh replica of v{champion} at {baseline.url}", flush=True)
+    plan = _load_plan(args.plan)
+    if args.probes:
+        plan.probes = replace(plan.probes, data_dir=str(Path(args.probes).resolve()))
+    spec = RolloutSpec(model_name=model_name, candidate_version=version, champion_version=champion,
+                       candidate_replicas=[candidate.url], champion_replicas=[champion_replica.url],
+                       candidate_served_model=candidate.served_model,
+                       champion_served_model=champion_replica.served_model, baseline_replicas=[baseline.url],
+                       gateway_url=url, admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri,
+                       plan=plan, start="canary" if args.role == "canary" else "shadow",
+                       eval_passed=_eval_passed(bundle),
+                       fleet_dir=str(fleet.root))
+    directory = fleet.rollouts / f"v{version}-{time.strftime('%Y%m%d-%H%M%S')}"
+    controller = Controller.create(directory, spec, say=lambda line: print(line, flush=True))
+    controller.close()
+    fleet.record.rollout_dir = str(directory)
+    fleet.record.controller_pid = spawn_controller(fleet, directory)
+    fleet.save()
+    print(f"rollout {controller.state.id}: v{version} against champion v{champion} "
+          f"(MLflow run {controller.state.mlflow_run_id}); follow it with `deploy status`")
+    if args.wait:
+        return follow(directory)
+    return 0
+
+
+def _load_plan(path: str | None):
+    from serving.rollout.plan import RolloutPlan
+
+    if not path:
+        return RolloutPlan()
+    from artifacts.common.config_loader import build_dataclass, read_yaml_mapping
+
+    return build_dataclass(RolloutPlan, read_yaml_mapping(Path(path)), key="", source=path)
+
+
+def _eval_passed(bundle: Path) -> bool | None:
+    from artifacts.errors import EvalRecordError
+    from artifacts.eval_record import read_eval_record
+
+    try:
+        return read_eval_record(bundle).passed
+    except EvalRecordError:
+        return None  # the controller asks the registry instead
