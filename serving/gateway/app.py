@@ -18,12 +18,13 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from serving.gateway.admission import authenticate, request_id_of
 from serving.gateway.config import GatewayConfig
 from serving.gateway.errors import GatewayError
 from serving.gateway.keys import KeyStore
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.observations import ObservationStore
-from serving.gateway.proxy import Proxy, authenticate, request_id_of
+from serving.gateway.proxy import Proxy
 from serving.gateway.ratelimit import RateLimiter
 from serving.gateway.replicas import ReplicaPools
 from serving.gateway.routing import VARIANT_NAMES, Fault, RoutingState, RoutingStore, Variant

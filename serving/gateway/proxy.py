@@ -1,21 +1,19 @@
 """One client request through the gateway: identify, authenticate, limit, route, forward, observe.
 
-The data path reads top to bottom in ``handle``. Everything a rollout judges (status, TTFT, inter-token
-gaps, end-to-end latency, tokens, and the shadow pair) is recorded as the answer leaves, off the user's
-critical path (the observation store writes from its own thread).
+The data path reads top to bottom in ``handle`` (who is asking, and whether the body is sane: ``admission.py``).
+Everything a rollout judges (status, TTFT, inter-token gaps, end-to-end latency, tokens, and the shadow pair)
+is recorded as the answer leaves, off the user's critical path (the observation store writes from its own
+thread).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import anyio
@@ -23,6 +21,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from serving.gateway.admission import authenticate, check_fields, conversation_key, request_id_of, short_hash
 from serving.gateway.config import GatewayConfig
 from serving.gateway.continuation import Continuation, continuation
 from serving.gateway.errors import GatewayError
@@ -38,11 +37,8 @@ from serving.gateway.upstream import Attempt, Forwarder, NoReplicaAvailable
 log = logging.getLogger("serving.gateway")
 access_log = logging.getLogger("serving.gateway.access")  # one line per request; the gateway CLI rotates it
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 PIN_HEADER = "x-lifecycle-variant"  # admin only: send this request to one variant, no fallback
 PROBE_HEADER = "x-lifecycle-probe"  # admin only: a controller probe, kept out of the traffic statistics
-SESSION_HEADER = "x-session-id"
-OPEN_KEY = ApiKey(name="anonymous", sha256="0" * 64)
 
 
 @dataclass
@@ -63,78 +59,6 @@ class RequestContext:
     wants_token_ids: bool = False  # the client asked for return_token_ids itself (else they are stripped)
 
 
-def request_id_of(request: Request) -> str:
-    """The client's ``X-Request-Id`` when it is a sane token, else a fresh one."""
-    given = request.headers.get("x-request-id")
-    if given and _REQUEST_ID.match(given):
-        return given
-    return f"gw-{uuid.uuid4().hex}"
-
-
-def authenticate(request: Request, keys: KeyStore | None, *, admin: bool = False) -> ApiKey:
-    if keys is None:
-        if admin:
-            raise GatewayError(403, "the admin API needs a keys file (start the gateway with keys_file)",
-                               "permission_error", "admin_disabled")
-        return OPEN_KEY
-    header = request.headers.get("authorization", "")
-    scheme, _, secret = header.partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
-        raise GatewayError(401, "missing API key: send `Authorization: Bearer <key>`", "invalid_request_error",
-                           "invalid_api_key")
-    key = keys.verify(secret.strip())
-    if key is None:
-        raise GatewayError(401, "incorrect API key provided", "invalid_request_error", "invalid_api_key")
-    if admin and not key.admin:
-        raise GatewayError(403, f"key {key.name!r} is not an admin key", "permission_error", "not_admin")
-    return key
-
-
-def conversation_key(request: Request, key: ApiKey, body: dict) -> str | None:
-    """What the sticky split keys on: ``X-Session-Id``, else the request's ``user``, else the API key."""
-    conversation = request.headers.get(SESSION_HEADER) or body.get("user") or (
-        key.name if key is not OPEN_KEY else None)
-    return None if conversation is None else str(conversation)
-
-
-def _short_hash(text: str) -> str:
-    """Observations keep users apart without keeping who they are."""
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def check_fields(body: dict, path: str) -> None:
-    """Refuse, with the 400 our server would answer, a field the gateway itself reads (``stream_options``,
-    chat content parts) when it has the wrong shape: before any budget or replica is spent on it."""
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise GatewayError(400, "stream_options: must be an object", param="stream_options")
-    if "chat" not in path or body.get("messages") is None:
-        return
-    messages = body["messages"]
-    if not isinstance(messages, list):
-        raise GatewayError(400, "messages: must be an array of messages", param="messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise GatewayError(400, f"messages.{i}: a message must be an object", param=f"messages.{i}")
-        content = message.get("content")
-        if content is None or isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise GatewayError(400, f"messages.{i}.content: must be a string or an array of content parts",
-                               param=f"messages.{i}.content")
-        for j, part in enumerate(content):
-            where = f"messages.{i}.content.{j}"
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise GatewayError(400, f"{where}: a content part must be an object with a string `type`",
-                                   param=where)
-            text = part.get("text")
-            if text is not None and not isinstance(text, str):
-                raise GatewayError(400, f"{where}.text: must be a string, got {orjson.dumps(text).decode()[:40]}",
-                                   param=f"{where}.text")
-            if part["type"] == "text" and text is None:
-                raise GatewayError(400, f"{where}.text: a text part needs a string `text`", param=f"{where}.text")
-
-
 def _max_tokens(body: dict, path: str, default_chat: int) -> int:
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
@@ -153,19 +77,17 @@ def _prompt_text(body: dict) -> str:
     return "\n".join(parts)
 
 
+@dataclass(eq=False)
 class Proxy:
-    def __init__(self, config: GatewayConfig, keys: KeyStore | None, routing: RoutingStore,
-                 forwarder: Forwarder, shadow: ShadowMirror, store: ObservationStore, metrics: GatewayMetrics,
-                 limiter: RateLimiter, rng: random.Random | None = None) -> None:
-        self.config = config
-        self.keys = keys
-        self.routing = routing
-        self.forwarder = forwarder
-        self.shadow = shadow
-        self.store = store
-        self.metrics = metrics
-        self.limiter = limiter
-        self.rng = rng or random.Random()
+    config: GatewayConfig
+    keys: KeyStore | None
+    routing: RoutingStore
+    forwarder: Forwarder
+    shadow: ShadowMirror
+    store: ObservationStore
+    metrics: GatewayMetrics
+    limiter: RateLimiter
+    rng: random.Random = field(default_factory=random.Random)
 
     # ----------------------------------------------------------------- the data path
     async def handle(self, request: Request, path: str) -> Response:
@@ -180,7 +102,7 @@ class Proxy:
             access_log.info("%s %s -> %d %s", request_id, path, exc.status, exc.message)
             return exc.response(request_id)
         conversation = conversation_key(request, key, body)
-        ctx.conversation = None if conversation is None else _short_hash(conversation)
+        ctx.conversation = None if conversation is None else short_hash(conversation)
         order, pinned = self._route(request, conversation)
         ctx.pinned = pinned
         if order[0] == "champion" and not pinned and not ctx.probe:
