@@ -20,12 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from benchmarks.gateway import build_model, machine_facts  # noqa: E402
+from benchmarks.servers import build_model, machine_facts  # noqa: E402
 
 
 def add_workload(engine, requests: int, vocab: int, rng: random.Random) -> None:

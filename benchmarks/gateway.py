@@ -31,238 +31,37 @@ import argparse
 import asyncio
 import json
 import os
-import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-# benchmarks/ holds serving.py: keep the folder off sys.path so `serving` means the project package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-SERVED_NAME = "bench"
-FIRST_NORMAL_TOKEN = 7  # ids below are special tokens in the bench tokenizer
+from artifacts.common.stats import percentile  # noqa: E402
+from benchmarks.servers import (  # noqa: E402
+    SERVED_NAME,
+    BenchError,
+    Child,
+    build_model,
+    engine_server,
+    free_port,
+    machine_facts,
+    run_with_servers,
+    start_gateway,
+    wait_ready,
+)
+from benchmarks.stream_load import Shape, Stream, make_prompts, make_shapes, run_load, scrape, summarize  # noqa: E402
+
 CONFIGS = ("direct", "gateway", "gateway + shadow")
 TARGET_LOSS = 0.10  # the issue's targets at 16 concurrent streams
 TARGET_TTFT_MS = 5.0
 
 
-class BenchError(Exception):
-    """Something the user can fix or a server that did not come up: one line, exit 2."""
-
-
-# ----------------------------------------------------------------------------- processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Child:
-    """A server process in its own session (Ctrl-C in the terminal does not reach it), its output in a log."""
-
-    def __init__(self, name: str, args: list[str], log: Path, env: dict[str, str]) -> None:
-        self.name, self.log = name, log
-        self._handle = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO, env=env, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def terminate(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    def stop(self) -> None:
-        """After ``terminate``: wait, then SIGKILL what is left of its process group."""
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=15)
-        self._handle.close()
-
-
-def wait_ready(child: Child, url: str, timeout_s: float, path: str = "/ready") -> None:
-    """Poll `path` until 200 (ours answers `/ready`; vLLM's OpenAI server only has `/health`)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if child.proc.poll() is not None:
-            raise BenchError(f"{child.name} exited with {child.proc.returncode} while starting; "
-                             f"log {child.log}:\n{child.tail()}")
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise BenchError(f"{child.name} not ready at {url} after {timeout_s:.0f} s; log {child.log}")
-        time.sleep(0.1)
-
-
-def engine_server(name: str, model: Path, port: int, threads: int, logs: Path, env: dict[str, str]) -> Child:
-    return Child(name, [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
-                        "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
-                        "--drain-timeout", "1"], logs / f"{name}.log", env)
-
-
-def add_key(keys_file: Path, name: str, env: dict[str, str], admin: bool = False) -> str:
-    """A key through the operator's CLI; returns the secret it prints once."""
-    args = [sys.executable, "-m", "serving.gateway.cli", "gateway-keys", "add", name, "--keys-file", str(keys_file),
-            "--rpm", "1000000", "--tpm", "1000000000"] + (["--admin"] if admin else [])
-    p = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    if p.returncode != 0:
-        raise BenchError(f"gateway-keys add {name}: {(p.stderr or p.stdout).strip()[-300:]}")
-    return p.stdout.strip().splitlines()[-1]
-
-
-# ----------------------------------------------------------------------------- workload
-@dataclass
-class Shape:
-    prompt_len: int
-    max_tokens: int
-
-
-def make_shapes(n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]) -> list[Shape]:
-    rng = random.Random(seed)
-    return [Shape(rng.randint(*prompt_range), rng.randint(*output_range)) for _ in range(n)]
-
-
-def make_prompts(shapes: list[Shape], vocab: int, seed: int) -> list[list[int]]:
-    """Fresh token ids for every run (same lengths), so no run reuses another's cached prefix blocks."""
-    rng = random.Random(seed)
-    return [[rng.randrange(FIRST_NORMAL_TOKEN, vocab) for _ in range(s.prompt_len)] for s in shapes]
-
-
-@dataclass
-class Stream:
-    sent: float
-    token_times: list[float] = field(default_factory=list)
-    completion_tokens: Optional[int] = None
-
-
-async def one_stream(client, url: str, headers: dict[str, str], prompt: list[int], max_tokens: int,
-                     t0: float) -> Stream:
-    import httpx
-
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    out = Stream(sent=time.perf_counter() - t0)
-    try:
-        return await _read_stream(client, url, headers, body, out, t0)
-    except httpx.TransportError as exc:  # the server closed or reset the stream: name it, no traceback
-        raise BenchError(f"{url}: stream lost after {len(out.token_times)} tokens "
-                         f"({type(exc).__name__}: {exc or 'connection closed'})") from exc
-
-
-async def _read_stream(client, url: str, headers: dict[str, str], body: dict, out: Stream, t0: float) -> Stream:
-    import orjson
-
-    async with client.stream("POST", url + "/v1/completions", content=orjson.dumps(body),
-                             headers={"content-type": "application/json", **headers}) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")
-            raise BenchError(f"{url}: HTTP {resp.status_code}: {text[:300]}")
-        buf = b""
-        async for chunk in resp.aiter_raw():
-            now = time.perf_counter() - t0
-            buf += chunk
-            while (cut := buf.find(b"\n\n")) >= 0:
-                event, buf = buf[:cut], buf[cut + 2:]
-                if not event.startswith(b"data:"):
-                    continue
-                payload = event[5:].strip()
-                if payload == b"[DONE]":
-                    continue
-                obj = orjson.loads(payload)
-                if "error" in obj:
-                    raise BenchError(f"{url}: error event: {obj['error']}")
-                if obj.get("choices"):
-                    out.token_times.append(now)
-                if obj.get("usage"):
-                    out.completion_tokens = obj["usage"].get("completion_tokens")
-    return out
-
-
-async def run_load(client, url: str, headers: dict[str, str], prompts: list[list[int]], shapes: list[Shape],
-                   concurrency: int) -> list[Stream]:
-    order = iter(range(len(shapes)))
-    results: list[Optional[Stream]] = [None] * len(shapes)
-    t0 = time.perf_counter()
-
-    async def worker() -> None:
-        for i in order:
-            results[i] = await one_stream(client, url, headers, prompts[i], shapes[i].max_tokens, t0)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return [r for r in results if r is not None]
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def summarize(streams: list[Stream], shapes: list[Shape]) -> dict[str, float]:
-    ttft, itl, e2e = [], [], []
-    tokens = 0
-    for s, shape in zip(streams, shapes):
-        n = s.completion_tokens if s.completion_tokens is not None else len(s.token_times)
-        if n != shape.max_tokens or not s.token_times:
-            raise BenchError(f"a stream returned {n} tokens, expected {shape.max_tokens} (ignore_eos)")
-        tokens += n
-        ttft.append(s.token_times[0] - s.sent)
-        e2e.append(s.token_times[-1] - s.sent)
-        itl.extend(b - a for a, b in zip(s.token_times, s.token_times[1:]))
-    end = max(s.token_times[-1] for s in streams)
-    return {"output_tok_s": tokens / end, "wall_s": end, "ttft_p50_ms": pct(ttft, 50) * 1e3,
-            "ttft_p99_ms": pct(ttft, 99) * 1e3, "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3,
-            "e2e_p50_ms": pct(e2e, 50) * 1e3, "tokens": tokens}
-
-
-# ----------------------------------------------------------------------------- metrics scraping
-async def scrape(client, url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum of every sample of each named metric (over all label sets) in a Prometheus text page."""
-    text = (await client.get(url + "/metrics", timeout=10)).text
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        for name in names:
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                out[name] += float(line.rsplit(" ", 1)[1])
-    return out
-
-
+# ----------------------------------------------------------------------------- the gateway and the engines
 async def wait_idle(client, engine_url: str, timeout_s: float = 300.0) -> None:
     """Until the engine has nothing running or waiting (the shadow's mirrors finish after the user's streams)."""
     deadline = time.monotonic() + timeout_s
@@ -376,8 +175,8 @@ async def bench_batch1(args: argparse.Namespace, client, fleet: Fleet, vocab: in
         ttft = [s.token_times[0] - s.sent for s in streams]
         e2e = [s.token_times[-1] - s.sent for s in streams]
         itl = [b - a for s in streams for a, b in zip(s.token_times, s.token_times[1:])]
-        out[name] = {"ttft_p50_ms": pct(ttft, 50) * 1e3, "e2e_p50_ms": pct(e2e, 50) * 1e3,
-                     "itl_p50_ms": pct(itl, 50) * 1e3, "ttft": ttft, "e2e": e2e}
+        out[name] = {"ttft_p50_ms": percentile(ttft, 50) * 1e3, "e2e_p50_ms": percentile(e2e, 50) * 1e3,
+                     "itl_p50_ms": percentile(itl, 50) * 1e3, "ttft": ttft, "e2e": e2e}
     out["added_ttft_ms"] = statistics.median(
         (g - d) * 1e3 for g, d in zip(out["gateway"]["ttft"], out["direct"]["ttft"]))
     out["added_e2e_ms"] = statistics.median(
@@ -453,37 +252,6 @@ def report(args: argparse.Namespace, res: dict[str, Any], machine: str) -> str:
     return "\n".join(lines)
 
 
-def machine_facts() -> str:
-    """CPU, its widest vector unit (hosts behind one name differ: the same `AMD EPYC` label has come with and
-    without AVX-512), load and time: what a reader needs to compare two runs."""
-    cpu, flags = "?", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == "?":
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = next((name for name in ("avx512f", "avx2") if name in flags), "")
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{os.cpu_count()} CPUs (`{cpu}`{', ' + isa.upper() if isa else ''}), load average {load}, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-
-
-# ----------------------------------------------------------------------------- main
-def build_model(env: dict[str, str]) -> Path:
-    """The serving-bench model (built once, cached), in a child so torch's import chatter stays in its pipe."""
-    from benchmarks.bench_model import DEFAULT_MODEL_DIR
-
-    print(f"model: {DEFAULT_MODEL_DIR.relative_to(REPO)} (built first if missing)", flush=True)
-    code = "from benchmarks.bench_model import build_bench_model; print(build_bench_model())"
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise BenchError(f"building the bench model failed: {(p.stderr or p.stdout).strip()[-500:]}")
-    return Path(p.stdout.strip().splitlines()[-1])
-
-
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -525,90 +293,61 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+# ----------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    children: list[Child] = []
-
-    def on_term(signum, frame) -> None:  # noqa: ANN001
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)  # also when started with SIGINT ignored (a background job)
-    logs = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
-    ok = False
-    try:
-        env = dict(os.environ)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        env.update({"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                    "TRANSFORMERS_VERBOSITY": "error"})
-        env.pop("PYTHONPATH", None)
-        model = args.model.resolve() if args.model is not None else build_model(env)
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        ports = {"direct": free_port(), "shadow": free_port(), "gateway": free_port()}
-        urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-        t = time.perf_counter()
-        champion = engine_server("engine", model, ports["direct"], args.threads, logs, env)
-        children.append(champion)
-        shadow = engine_server("shadow-engine", model, ports["shadow"], args.threads, logs, env)
-        children.append(shadow)
-        keys_file = logs / "keys.json"
-        user = add_key(keys_file, "bench", env)
-        admin = add_key(keys_file, "bench-admin", env, admin=True)
-        config = {"port": ports["gateway"], "model_name": SERVED_NAME, "state_dir": str(logs / "gateway-state"),
-                  "keys_file": str(keys_file), "log_level": args.gateway_log_level,
-                  "champion": {"replicas": [urls["direct"]], "version": "1", "served_model": SERVED_NAME},
-                  "shadow": {"replicas": [urls["shadow"]], "version": "1-shadow", "served_model": SERVED_NAME},
-                  "shadow_mirror": {"fraction": 0.0, "max_concurrency": args.shadow_concurrency}}
-        (logs / "gateway.yaml").write_text(json.dumps(config, indent=2))  # JSON is YAML
-        gateway = Child("gateway", [sys.executable, "-m", "serving.gateway.cli", str(logs / "gateway.yaml")],
-                        logs / "gateway.log", env)
-        children.append(gateway)
-        for child, url in ((champion, urls["direct"]), (shadow, urls["shadow"]), (gateway, urls["gateway"])):
-            wait_ready(child, url, args.startup_timeout)
-        print(f"servers ready in {time.perf_counter() - t:.0f} s: engine pid {champion.pid} {urls['direct']}, "
-              f"shadow engine pid {shadow.pid} {urls['shadow']}, gateway pid {gateway.pid} {urls['gateway']}; "
-              f"logs in {logs}", flush=True)
-        before = machine_facts()
-        fleet = Fleet(urls["direct"], urls["shadow"], urls["gateway"], user, admin,
-                      {"engine": champion.pid, "shadow": shadow.pid, "gateway": gateway.pid})
-        t = time.perf_counter()
-        res = asyncio.run(bench(args, fleet, vocab))
-        print(f"measured in {time.perf_counter() - t:.0f} s", flush=True)
-        machine = f"Machine: {before}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}."
-        text = report(args, res, machine)
-        print("\n" + text)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
-                                                     for k, v in vars(args).items()},
-                                            "model": str(model), "machine": machine, **res, "markdown": text},
-                                           indent=2, default=str))
-        ok = True
-        return 0
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; stopping the servers", file=sys.stderr)
-        return 130
-    finally:
-        stop_children(children, logs, remove_logs=ok and not args.keep_logs)
+    return run_with_servers("gateway-bench-", args.keep_logs, lambda children, logs: run(args, children, logs))
 
 
-def stop_children(children: list, logs: Path, remove_logs: bool) -> None:
-    """Stop every server a run started, deaf to a second Ctrl-C meanwhile (it must not leave servers behind),
-    and drop the logs of a run that went well."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for child in children:
-        child.terminate()
-    for child in children:
-        child.stop()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if remove_logs:
-        import shutil
+def run(args: argparse.Namespace, children: list[Child], logs: Path) -> None:
+    """Start the servers into ``children``, measure, print the report (and write ``--out``)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.update({"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                "TRANSFORMERS_VERBOSITY": "error"})
+    env.pop("PYTHONPATH", None)
+    model = args.model.resolve() if args.model is not None else build_model(env)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    fleet = start_fleet(args, model, children, logs, env)
+    before = machine_facts()
+    t = time.perf_counter()
+    res = asyncio.run(bench(args, fleet, vocab))
+    print(f"measured in {time.perf_counter() - t:.0f} s", flush=True)
+    machine = f"Machine: {before}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}."
+    text = report(args, res, machine)
+    print("\n" + text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
+                                                 for k, v in vars(args).items()},
+                                        "model": str(model), "machine": machine, **res, "markdown": text},
+                                       indent=2, default=str))
 
-        shutil.rmtree(logs, ignore_errors=True)
+
+def start_fleet(args: argparse.Namespace, model: Path, children: list[Child], logs: Path,
+                env: dict[str, str]) -> Fleet:
+    """The champion engine, a second engine on the same model (the shadow) and the gateway in front of both."""
+    ports = {"direct": free_port(), "shadow": free_port(), "gateway": free_port()}
+    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    t = time.perf_counter()
+    champion = engine_server("engine", model, ports["direct"], args.threads, logs, env)
+    children.append(champion)
+    shadow = engine_server("shadow-engine", model, ports["shadow"], args.threads, logs, env)
+    children.append(shadow)
+    config = {"port": ports["gateway"], "model_name": SERVED_NAME, "state_dir": str(logs / "gateway-state"),
+              "log_level": args.gateway_log_level,
+              "champion": {"replicas": [urls["direct"]], "version": "1", "served_model": SERVED_NAME},
+              "shadow": {"replicas": [urls["shadow"]], "version": "1-shadow", "served_model": SERVED_NAME},
+              "shadow_mirror": {"fraction": 0.0, "max_concurrency": args.shadow_concurrency}}
+    gateway, user, admin = start_gateway(config, logs, env)
+    children.append(gateway)
+    for child, url in ((champion, urls["direct"]), (shadow, urls["shadow"]), (gateway, urls["gateway"])):
+        wait_ready(child, url, args.startup_timeout)
+    print(f"servers ready in {time.perf_counter() - t:.0f} s: engine pid {champion.pid} {urls['direct']}, "
+          f"shadow engine pid {shadow.pid} {urls['shadow']}, gateway pid {gateway.pid} {urls['gateway']}; "
+          f"logs in {logs}", flush=True)
+    return Fleet(urls["direct"], urls["shadow"], urls["gateway"], user, admin,
+                 {"engine": champion.pid, "shadow": shadow.pid, "gateway": gateway.pid})
 
 
 if __name__ == "__main__":

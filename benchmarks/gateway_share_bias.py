@@ -1,4 +1,4 @@
-"""Gateway share bias (issue 22): what a low-share variant pays through the gateway, against the same replicas
+"""Gateway share bias: what a low-share variant pays through the gateway, against the same replicas
 reached straight.
 
 Starts on 127.0.0.1 three ``lifecycle serve`` replicas of one model (champion, canary, baseline; ``--threads``
@@ -14,9 +14,9 @@ bounded in time and in requests, with the same clients and users:
 Per variant and path: requests, TTFT p50/p95 as the client saw it and, through the gateway, as the gateway
 recorded it (``GET /admin/window``), the ratios canary/baseline and canary/champion (p95 over all rounds), and
 the median of the client's TTFT minus the gateway's for the same request (the gateway's own front half).
-The gateway runs with an aiohttp trace on its upstream session (added by this script at start, see
-``run_traced_gateway``): per request, a new or a pooled connection, and when the upstream request started,
-had its connection and got its response headers, on the client's clock; so the report splits the gateway's
+The gateway runs with an aiohttp trace on its upstream session (added at its start, see
+``benchmarks/gateway_trace.py``): per request, a new or a pooled connection, and when the upstream request
+started, had its connection and got its response headers, on the client's clock; so the report splits the gateway's
 TTFT into stages and counts the connections it opened to each replica. The replicas' own TTFT histograms
 (scraped around each phase) split the mean TTFT into the engine's part and the rest; TTFT is also tabled by how
 long the variant had been idle before the request, for both paths; and the report ends with the spread of an
@@ -41,100 +41,36 @@ import asyncio
 import json
 import os
 import random
-import signal
 import sqlite3
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from benchmarks.gateway import (  # noqa: E402
-    FIRST_NORMAL_TOKEN,
+from artifacts.common.stats import percentile  # noqa: E402
+from benchmarks.gateway_trace import read_trace  # noqa: E402
+from benchmarks.servers import (  # noqa: E402
     SERVED_NAME,
     BenchError,
     Child,
-    Stream,
-    _read_stream,
-    add_key,
     build_model,
     free_port,
     machine_facts,
-    pct,
-    scrape,
-    stop_children,
+    run_with_servers,
+    serve_args,
+    start_gateway,
     wait_ready,
 )
+from benchmarks.stream_load import FIRST_NORMAL_TOKEN, Stream, read_stream, scrape  # noqa: E402
 
 VARIANTS = ("champion", "canary", "baseline")
 PATHS = ("direct", "gateway")
 ENGINE_TTFT = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
-
-
-# ----------------------------------------------------------------------------- the gateway's upstream trace
-def run_traced_gateway(config: str, trace_file: str) -> int:
-    """The gateway as ``python -m serving.gateway.cli CONFIG`` runs it, plus an aiohttp trace on its upstream
-    session (set up here, not in the gateway): one JSON line per upstream request with its X-Request-Id, whether
-    it got a new connection or a pooled one, and perf_counter stamps (request start, connection in hand,
-    response headers), on the clock the client's stamps use."""
-    import aiohttp
-
-    from serving.gateway.cli import main as gateway_main
-
-    out = open(trace_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
-
-    async def start(session, ctx, params) -> None:
-        ctx.t0, ctx.conn, ctx.t_conn = time.perf_counter(), "pooled", None
-        ctx.rid, ctx.url, ctx.method = params.headers.get("x-request-id"), str(params.url), params.method
-
-    async def created(session, ctx, params) -> None:
-        ctx.conn = "new"
-
-    async def got(session, ctx, params) -> None:
-        ctx.t_conn = ctx.t_conn or time.perf_counter()
-
-    async def end(session, ctx, params) -> None:
-        out.write(json.dumps({"rid": ctx.rid, "url": ctx.url, "method": ctx.method, "conn": ctx.conn, "t0": ctx.t0,
-                              "t_conn": ctx.t_conn, "t_headers": time.perf_counter()}) + "\n")
-
-    async def failed(session, ctx, params) -> None:
-        out.write(json.dumps({"rid": ctx.rid, "url": ctx.url, "method": ctx.method, "conn": ctx.conn, "t0": ctx.t0,
-                              "error": f"{type(params.exception).__name__}: {params.exception}"[:200]}) + "\n")
-
-    trace = aiohttp.TraceConfig()
-    trace.on_request_start.append(start)
-    trace.on_connection_create_end.append(created)
-    trace.on_connection_create_end.append(got)
-    trace.on_connection_reuseconn.append(got)
-    trace.on_request_end.append(end)
-    trace.on_request_exception.append(failed)
-    init = aiohttp.ClientSession.__init__
-
-    def traced_init(self, *a, **kw) -> None:
-        init(self, *a, **{**kw, "trace_configs": [*(kw.get("trace_configs") or []), trace]})
-
-    aiohttp.ClientSession.__init__ = traced_init
-    return gateway_main([config])
-
-
-def read_trace(path: Path) -> tuple[dict[str, dict], dict[str, int]]:
-    """Upstream POSTs by request id (the last attempt), and connections the gateway opened per replica URL
-    (its health checks' included)."""
-    posts, opened = {}, defaultdict(int)
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        t = json.loads(line)
-        base = t["url"].split("/v1/")[0].split("/ready")[0]
-        opened[base] += t["conn"] == "new"
-        if t["method"] == "POST" and t["rid"]:
-            posts[t["rid"]] = t
-    return posts, opened
 
 
 # ----------------------------------------------------------------------------- workload
@@ -176,7 +112,7 @@ async def drive(client, targets: dict[str, str], headers: dict[str, str], varian
         idle = 0.0 if in_flight[variant] else t0 - last_end[variant] if variant in last_end else -1.0
         in_flight[variant] += 1
         try:
-            await _read_stream(client, targets[variant], {**headers, "x-request-id": request_id}, body, out, t0)
+            await read_stream(client, targets[variant], {**headers, "x-request-id": request_id}, body, out, t0)
             done.append(Done(path, variant, request_id, out.token_times[0] if out.token_times else None, idle, t0))
         except Exception as exc:  # noqa: BLE001 - counted and shown, the run goes on
             done.append(Done(path, variant, request_id, None, idle, t0, f"{type(exc).__name__}: {exc}"[:200]))
@@ -279,7 +215,7 @@ async def bench(args: argparse.Namespace, urls: dict[str, str], gateway: str, us
                     line += ("; connections opened " + " ".join(f"{v} {phase_opened[v]}" for v in VARIANTS)
                              + "; gateway 5xx+fallbacks " + " ".join(f"{v} {fails.get(v, 0)}" for v in VARIANTS)
                              + "; gateway TTFT p95 " + " ".join(
-                                 f"{x['variant']} {pct(x['ttft_ms'], 95):.0f}" for x in w["variants"]))
+                                 f"{x['variant']} {percentile(x['ttft_ms'], 95):.0f}" for x in w["variants"]))
                 rows += new_rows
                 print(line, flush=True)
     return {"rows": rows, "opened": opened, "users": users,
@@ -323,19 +259,20 @@ def report(args: argparse.Namespace, res: dict, machine: str) -> str:
             xs = pick(path, (v,))
             n = sum(1 for r in rows if r["path"] == path and r["variant"] == v)
             errors = sum(1 for r in rows if r["path"] == path and r["variant"] == v and r["error"])
-            p95[(path, v)] = pct(xs, 95)
+            p95[(path, v)] = percentile(xs, 95)
             gw = pick(path, (v,), "gw_ttft_ms")
             front = [r["ttft_ms"] - r["gw_ttft_ms"] for r in rows if r["path"] == path and r["variant"] == v
                      and r.get("gw_ttft_ms") is not None and r["ttft_ms"] is not None]
-            cells = f"{pct(gw, 50):.1f} | {pct(gw, 95):.1f} | {med(front)}" if gw else "— | — | —"
-            lines.append(f"| {path} | {v} | {n} | {errors} | {pct(xs, 50):.1f} | {p95[(path, v)]:.1f} | {cells} |")
+            cells = f"{percentile(gw, 50):.1f} | {percentile(gw, 95):.1f} | {med(front)}" if gw else "— | — | —"
+            lines.append(f"| {path} | {v} | {n} | {errors} | {percentile(xs, 50):.1f} | {p95[(path, v)]:.1f} | "
+                         f"{cells} |")
     lines += ["", "| path | TTFT p95 canary/baseline | canary/champion | baseline/champion | "
               "canary/baseline per round |", "|---|---:|---:|---:|---|"]
     for path in PATHS:
         per_round = []
         for rnd in range(args.rounds):
             a, b = pick(path, ("canary",), round=rnd), pick(path, ("baseline",), round=rnd)
-            per_round.append(f"{pct(a, 95) / pct(b, 95):.2f}" if a and b else "—")
+            per_round.append(f"{percentile(a, 95) / percentile(b, 95):.2f}" if a and b else "—")
         lines.append(f"| {path} | {p95[(path, 'canary')] / p95[(path, 'baseline')]:.2f}× | "
                      f"{p95[(path, 'canary')] / p95[(path, 'champion')]:.2f}× | "
                      f"{p95[(path, 'baseline')] / p95[(path, 'champion')]:.2f}× | {', '.join(per_round)} |")
@@ -368,7 +305,7 @@ def report(args: argparse.Namespace, res: dict, machine: str) -> str:
         for lo, hi, _ in IDLE_BINS:
             xs = [r["ttft_ms"] for r in rows if r["path"] == path and r["variant"] in low and not r["error"]
                   and r["ttft_ms"] is not None and ((r["idle_s"] == 0) if hi == 0 else lo < r["idle_s"] <= hi)]
-            cells.append(f"{pct(xs, 50):.0f} / {pct(xs, 95):.0f} ({len(xs)})" if xs else "—")
+            cells.append(f"{percentile(xs, 50):.0f} / {percentile(xs, 95):.0f} ({len(xs)})" if xs else "—")
         lines.append(f"| {path} | " + " | ".join(cells) + " |")
     reqs = {v: sum(1 for r in rows if r["path"] == "gateway" and r["variant"] == v) for v in VARIANTS}
     lines.append("\nConnections the gateway opened to each replica during its phases (its /ready polls included): "
@@ -379,9 +316,9 @@ def report(args: argparse.Namespace, res: dict, machine: str) -> str:
         pool = pick(path, low)
         for n in (20, 50, 100):
             if len(pool) >= n:
-                ratios = sorted(pct(rng.choices(pool, k=n), 95) / pct(rng.choices(pool, k=n), 95)
+                ratios = sorted(percentile(rng.choices(pool, k=n), 95) / percentile(rng.choices(pool, k=n), 95)
                                 for _ in range(2000))
-                spread.append(f"{path} n={n}: {pct(ratios, 5):.2f}-{pct(ratios, 95):.2f}×")
+                spread.append(f"{path} n={n}: {percentile(ratios, 5):.2f}-{percentile(ratios, 95):.2f}×")
     lines.append("\nSpread of an A/A TTFT p95 ratio (two samples of n requests drawn from this run's canary + baseline "
                  "TTFTs, 2,000 draws, 5th-95th percentile): " + "; ".join(spread) + ".")
     return "\n".join(lines)
@@ -392,8 +329,7 @@ def replica_server(variant: str, model: Path, port: int, args: argparse.Namespac
                    env: dict[str, str]) -> Child:
     """``lifecycle serve`` with the gateway benchmark's flags; with ``--keep-alive VARIANT=S``, with the server's
     idle keep-alive (``serving.api.server.KEEP_ALIVE_S``) set to S seconds for that replica."""
-    serve = ["serve", str(model), "--port", str(port), "--served-model-name", SERVED_NAME, "--threads",
-             str(args.threads), "--log-level", "warning", "--drain-timeout", "1"]
+    serve = serve_args(model, port, args.threads)
     if variant not in args.keep_alive:
         return Child(variant, [sys.executable, "-m", "serving.cli", *serve], logs / f"{variant}.log", env)
     code = ("import sys, serving.api.server as s; s.KEEP_ALIVE_S = float(sys.argv[1]); "
@@ -446,63 +382,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    children: list[Child] = []
+    return run_with_servers("gateway-share-bias-", args.keep_logs, lambda children, logs: run(args, children, logs))
 
-    def on_term(signum, frame) -> None:  # noqa: ANN001
-        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    logs = Path(tempfile.mkdtemp(prefix="gateway-share-bias-"))
-    ok = False
-    try:
-        env = dict(os.environ) | {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0",  # as LocalFleet._spawn
-                                  "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-                                  "TRANSFORMERS_VERBOSITY": "error"}
-        env.pop("PYTHONPATH", None)
-        model = build_model(env) if args.model == "bench" else Path(args.model).resolve()
-        if not (model / "config.json").is_file():
-            raise BenchError(f"--model: {model} is not a Hugging Face model dir (no config.json)")
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        ports = {v: free_port() for v in (*VARIANTS, "gateway")}
-        urls = {v: f"http://127.0.0.1:{ports[v]}" for v in VARIANTS}
-        for v in VARIANTS:
-            children.append(replica_server(v, model, ports[v], args, logs, env))
-        keys_file = logs / "keys.json"
-        user, admin = add_key(keys_file, "bench", env), add_key(keys_file, "bench-admin", env, admin=True)
-        config = {"host": "127.0.0.1", "port": ports["gateway"], "model_name": SERVED_NAME,
-                  "state_dir": str(logs / "gateway-state"), "keys_file": str(keys_file),
-                  "health": {"interval_s": args.health_interval, "eject_after": 2},  # LocalFleet's: 0.5 s
-                  "champion": {"replicas": [urls["champion"]], "version": "1", "served_model": SERVED_NAME}}
-        (logs / "gateway.yaml").write_text(json.dumps(config, indent=2))  # JSON is YAML
-        code = ("import sys; from benchmarks.gateway_share_bias import run_traced_gateway; "
-                "sys.exit(run_traced_gateway(sys.argv[1], sys.argv[2]))")
-        gw = Child("gateway", [sys.executable, "-c", code, str(logs / "gateway.yaml"),
-                               str(logs / "upstream-trace.jsonl")], logs / "gateway.log", env)
-        children.append(gw)
-        gateway = f"http://127.0.0.1:{ports['gateway']}"
-        for child, url in zip(children, [*urls.values(), gateway]):
-            wait_ready(child, url, args.startup_timeout, "/ready" if child is not gw else "/health")
-        print(f"servers ready; logs in {logs}", flush=True)
-        before = machine_facts()
-        res = asyncio.run(bench(args, urls, gateway, user, admin, logs, vocab))
-        machine = f"Machine: {before}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}."
-        text = report(args, res, machine)
-        print("\n" + text)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **res,
-                                            "markdown": text}, indent=1))
-        ok = True
-        return 0
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; stopping the servers", file=sys.stderr)
-        return 130
-    finally:
-        stop_children(children, logs, remove_logs=ok and not args.keep_logs)
+def run(args: argparse.Namespace, children: list[Child], logs: Path) -> None:
+    """Start the replicas and the traced gateway into ``children``, measure, print the report (and ``--out``)."""
+    env = dict(os.environ) | {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0",  # as LocalFleet._spawn
+                              "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+                              "TRANSFORMERS_VERBOSITY": "error"}
+    env.pop("PYTHONPATH", None)
+    model = build_model(env) if args.model == "bench" else Path(args.model).resolve()
+    if not (model / "config.json").is_file():
+        raise BenchError(f"--model: {model} is not a Hugging Face model dir (no config.json)")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    ports = {v: free_port() for v in (*VARIANTS, "gateway")}
+    urls = {v: f"http://127.0.0.1:{ports[v]}" for v in VARIANTS}
+    for v in VARIANTS:
+        children.append(replica_server(v, model, ports[v], args, logs, env))
+    config = {"host": "127.0.0.1", "port": ports["gateway"], "model_name": SERVED_NAME,
+              "state_dir": str(logs / "gateway-state"),
+              "health": {"interval_s": args.health_interval, "eject_after": 2},  # LocalFleet's: 0.5 s
+              "champion": {"replicas": [urls["champion"]], "version": "1", "served_model": SERVED_NAME}}
+    code = ("import sys; from benchmarks.gateway_trace import run_traced_gateway; "
+            "sys.exit(run_traced_gateway(sys.argv[1], sys.argv[2]))")
+    gw, user, admin = start_gateway(config, logs, env, launcher=[sys.executable, "-c", code],
+                                    extra=(str(logs / "upstream-trace.jsonl"),))
+    children.append(gw)
+    gateway = f"http://127.0.0.1:{ports['gateway']}"
+    for child, url in zip(children, [*urls.values(), gateway]):
+        wait_ready(child, url, args.startup_timeout, "/ready" if child is not gw else "/health")
+    print(f"servers ready; logs in {logs}", flush=True)
+    before = machine_facts()
+    res = asyncio.run(bench(args, urls, gateway, user, admin, logs, vocab))
+    machine = f"Machine: {before}; load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}."
+    text = report(args, res, machine)
+    print("\n" + text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **res,
+                                        "markdown": text}, indent=1))
 
 
 if __name__ == "__main__":

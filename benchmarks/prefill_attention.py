@@ -17,14 +17,14 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
 import serving.engine  # noqa: E402,F401,I001 - before torch: its OpenMP defaults apply only then
 import torch  # noqa: E402
 
-from benchmarks.gateway import machine_facts  # noqa: E402
+from benchmarks.servers import machine_facts  # noqa: E402
 from serving.engine import cpu_kernels  # noqa: E402
 from serving.engine.attention import AttentionMetadata, PrefillChunk, paged_attention  # noqa: E402
 

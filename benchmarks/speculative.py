@@ -38,12 +38,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from benchmarks.gateway import SERVED_NAME, BenchError, Child, free_port, machine_facts, wait_ready  # noqa: E402
+from benchmarks.servers import SERVED_NAME, BenchError, Child, free_port, machine_facts, stop_all, wait_ready  # noqa: E402
 
 SEEDS = ["The quick brown fox", "Once upon a time there was", "Hello, how are you", "The park was full of",
          "My favourite colour is", "Yesterday I went to", "The best way to learn is", "In the morning we"]
@@ -194,10 +192,7 @@ def main() -> int:
                     children.append(spec)
                 results = bench(args, plain_url, spec_urls)
             finally:
-                for child in children:
-                    child.terminate()
-                for child in children:
-                    child.stop()
+                stop_all(children)
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -14,22 +14,28 @@ from collections.abc import Callable, Sequence
 
 from artifacts.errors import LifecycleError
 
-__all__ = ["main_with_subcommands", "run_cli"]
+__all__ = ["exit_status", "main_with_subcommands", "run_cli"]
 
 Register = Callable[[argparse._SubParsersAction], None]
+
+
+def exit_status(run: Callable[[], int | None], interrupted: str = "interrupted") -> int:
+    """Call ``run`` and turn how it ended into an exit status: its own (None is 0), a user error (any
+    ``LifecycleError``) as ``error: <cause>`` on stderr and 2, Ctrl-C as the line ``interrupted`` and 130."""
+    try:
+        return int(run() or 0)
+    except LifecycleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130
 
 
 def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, call the chosen subcommand's ``func`` and map user errors to one line + exit 2."""
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except LifecycleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return exit_status(lambda: args.func(args))
 
 
 def main_with_subcommands(prog: str, register: Register, argv: Sequence[str] | None = None) -> int:
