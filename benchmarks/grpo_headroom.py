@@ -28,15 +28,18 @@ from pathlib import Path
 
 import torch
 
-from evals.config import EvalConfig
-from evals.context import EvalContext
-from evals.data import TASKS_FILE
-from evals.errors import EvalError
-from evals.model import LoadedModel, load_model
-from evals.scoring import is_correct
-from evals.suites.preference import reply_item
-from evals.suites.task_accuracy import task_records
-from training.tasks import SUM_TASKS, addition_operands, addition_work, compose_reply
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
+
+from evals.config import EvalConfig  # noqa: E402
+from evals.context import EvalContext  # noqa: E402
+from evals.data import TASKS_FILE  # noqa: E402
+from evals.errors import EvalError  # noqa: E402
+from evals.model import LoadedModel, load_model  # noqa: E402
+from evals.scoring import is_correct  # noqa: E402
+from evals.suites.preference import reply_item  # noqa: E402
+from evals.suites.task_accuracy import task_records  # noqa: E402
+from training.tasks import SUM_TASKS, addition_operands, addition_work, compose_reply  # noqa: E402
 
 TORN = 0.3  # p(right token) at or above this: the model half-knows the step
 

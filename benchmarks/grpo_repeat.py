@@ -26,18 +26,16 @@ from pathlib import Path
 import torch
 import yaml
 
-HERE = Path(__file__).resolve().parent
-# benchmarks/ holds serving.py: keep the folder off sys.path so `serving` means the project package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(HERE.parent))
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from artifacts.errors import LifecycleError
-from evals.config import EvalConfig
-from evals.results import metrics_dict
-from evals.runner import run_evals
-from flows.recipe import load_recipe
-from flows.report import slice_table
-from training.grpo import run_grpo
+from artifacts.errors import LifecycleError  # noqa: E402
+from evals.config import EvalConfig  # noqa: E402
+from evals.results import metrics_dict  # noqa: E402
+from evals.runner import run_evals  # noqa: E402
+from flows.recipe import load_recipe  # noqa: E402
+from flows.report import slice_table  # noqa: E402
+from training.grpo import run_grpo  # noqa: E402
 
 RATES = ("task_accuracy", "sampled_task_accuracy", "refusal_rate", "over_refusal_rate")
 

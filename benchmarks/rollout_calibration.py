@@ -1,4 +1,4 @@
-"""Rollout calibration (issue 22, item 2): how often the rollout judge is wrong, and how often it is right.
+"""Rollout calibration: how often the rollout judge is wrong, and how often it is right.
 
 Runs real rollouts, in process, with the project's controller, on a local fleet of `lifecycle serve` replicas
 behind the gateway (all on 127.0.0.1), with replayed held-out traffic:
@@ -40,28 +40,30 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-# benchmarks/ holds serving.py: keep the folder off sys.path so `serving` means the project package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("MPLBACKEND", "Agg")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the controller reads eval records
+if __name__ == "__main__" and not __package__:
+    import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-SCENARIOS = ("aa", "ttft", "errors", "refusals", "accuracy", "slow")
-TITLES = {"aa": "A/A (champion vs itself)", "ttft": "TTFT +50% (gateway delay on the canary)",
-          "errors": "5xx +3% (gateway abort on the canary)", "refusals": "lost refusals (drill bundle)",
-          "accuracy": "lost task accuracy (base model)", "slow": "slow candidate (HF forward, 1 sequence)"}
+from benchmarks.calibration_artifacts import Artifacts, CalibrationError, Registry, base_bundle, find_artifacts  # noqa: E402
+from benchmarks.calibration_outcomes import (  # noqa: E402
+    SCENARIOS,
+    TITLES,
+    RunOutcome,
+    describe_plan,
+    markdown,
+    summarise,
+)
+from benchmarks.servers import REPO  # noqa: E402
+
+for _name, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "MPLBACKEND": "Agg", "TRANSFORMERS_VERBOSITY": "error",
+                      "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false",
+                      "OMP_WAIT_POLICY": "PASSIVE",
+                      "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}.items():  # the controller reads eval records
+    os.environ.setdefault(_name, _value)
+
 SLOW_FLAGS = ["--model-impl", "hf", "--max-num-seqs", "1"]
 ABORT_PERCENT = 3.0
 TTFT_INCREASE = 0.5
@@ -76,215 +78,7 @@ DEFAULT_PLAN: dict[str, Any] = {
 DEFAULT_TRAFFIC: dict[str, Any] = {"users": 60, "concurrency": 4, "max_tokens": 40}
 
 
-class CalibrationError(Exception):
-    """Something the user can fix (a missing artifact, a bad flag): one line, exit 2."""
-
-
-# ----------------------------------------------------------------------------- the pipeline's artifacts
-@dataclass
-class Artifacts:
-    """What the calibration takes from the pipeline's workdir (read only)."""
-
-    workdir: Path
-    model_name: str
-    data_dir: Path
-    champion: Path  # a bundle dir with its eval record beside the manifest
-    drill: Path | None = None
-    base_model: Path | None = None
-    base_results: Path | None = None  # eval_results.json of the pipeline's eval of the base model
-
-
-def _complete(stage_dir: Path) -> bool:
-    return (stage_dir / "STAGE_DONE.json").is_file()
-
-
-def _pipeline_client(workdir: Path):
-    from mlflow import MlflowClient
-
-    db = workdir / "mlflow.db"
-    if not db.is_file():
-        raise CalibrationError(f"{db}: no pipeline registry (run `make run` first)")
-    return MlflowClient(tracking_uri=f"sqlite:///{db}")
-
-
-def _alias_digest(workdir: Path, alias: str) -> tuple[str, str] | None:
-    """(registered model, manifest digest) of the pipeline registry's version with ``alias``."""
-    from mlflow.exceptions import MlflowException
-
-    client = _pipeline_client(workdir)
-    for model in client.search_registered_models():
-        try:
-            mv = client.get_model_version_by_alias(model.name, alias)
-        except MlflowException:
-            continue
-        return model.name, (mv.tags or {}).get("manifest_digest", "")
-    return None
-
-
-def _bundle_by_digest(workdir: Path, digest: str) -> Path | None:
-    from artifacts.manifest import manifest_digest
-
-    for manifest in sorted(workdir.glob("runs/*/bundle-*/bundle/manifest.json")):
-        if manifest_digest(manifest.parent) == digest:
-            return manifest.parent
-    return None
-
-
-def find_artifacts(workdir: Path, champion: str, need: set[str]) -> Artifacts:
-    """The data dir, the champion's bundle and, for the scenarios in ``need``, the drill bundle and the base model."""
-    runs = workdir / "runs"
-    data = sorted((d for d in runs.glob("*/data-*") if _complete(d)), key=lambda d: d.stat().st_mtime)
-    if not data:
-        raise CalibrationError(f"{runs}: no finished data stage (data-*/STAGE_DONE.json)")
-    if Path(champion).is_dir():
-        bundle, model_name = Path(champion).resolve(), ""
-    else:
-        found = _alias_digest(workdir, champion)
-        if found is None:
-            raise CalibrationError(f"{workdir / 'mlflow.db'}: no version has the alias {champion!r} "
-                                   "(give --champion a bundle directory instead)")
-        model_name, digest = found
-        bundle = _bundle_by_digest(workdir, digest)
-        if bundle is None:
-            raise CalibrationError(f"alias {champion!r}: no bundle under {runs} has manifest digest {digest[:12]}")
-    if not (bundle / "eval_record.json").is_file():
-        raise CalibrationError(f"{bundle}: no eval_record.json beside the manifest (not released by the pipeline)")
-    if not model_name:
-        model_name = json.loads((bundle / "manifest.json").read_text())["name"]
-    out = Artifacts(workdir, model_name, data[-1] / "data", bundle)
-    if "refusals" in need:
-        found = _alias_digest(workdir, "drill-candidate")
-        if found is None:
-            raise CalibrationError("no version has the alias `drill-candidate` in the pipeline registry (run "
-                                   "`lifecycle run configs/drill-broken-refusals.yaml`, or leave out --scenarios "
-                                   "refusals)")
-        out.drill = _bundle_by_digest(workdir, found[1])
-        if out.drill is None:
-            raise CalibrationError(f"drill-candidate: no bundle under {runs} has digest {found[1][:12]}")
-    if "accuracy" in need:
-        for stage in sorted(runs.glob("*/eval-base-*")):
-            if _complete(stage) and (stage / "eval_results.json").is_file():
-                info = json.loads((stage / "STAGE_DONE.json").read_text()).get("info", {})
-                if info.get("model") and (Path(info["model"]) / "config.json").is_file():
-                    out.base_model, out.base_results = Path(info["model"]), stage / "eval_results.json"
-        if out.base_model is None:
-            models = sorted((workdir / "models" / "base").glob("*/config.json"))
-            if not models:
-                raise CalibrationError(f"{workdir / 'models' / 'base'}: no base model")
-            out.base_model = models[-1].parent
-    return out
-
-
-# ----------------------------------------------------------------------------- the calibration's registry
-class Registry:
-    """An MLflow store of the calibration's own: v1 the champion, one version per candidate."""
-
-    def __init__(self, root: Path, model_name: str) -> None:
-        from mlflow import MlflowClient
-
-        self.root = root
-        self.tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
-        self.model_name = model_name
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
-        self.versions: dict[str, str] = {}  # label -> version
-
-    def register(self, label: str, bundle: Path, record: Path | None, aliases: tuple[str, ...] = ()) -> str:
-        """Register ``bundle`` (once per label) and, as the pipeline's release stage does, tag the verdict
-        of its eval record and log the record beside the version's run (where the controller reads it)."""
-        from artifacts.eval_record import read_eval_record
-        from artifacts.registry import register_bundle
-
-        if label in self.versions:
-            return self.versions[label]
-        ref = register_bundle(bundle, self.model_name, tracking_uri=self.tracking_uri, aliases=aliases,
-                              description=f"rollout calibration: {label}")
-        if record is not None:
-            passed = read_eval_record(bundle).passed  # the record beside the manifest, checked against it
-            self.client.log_artifact(ref.run_id, str(record))
-            self.client.set_model_version_tag(self.model_name, ref.version, "lifecycle.gates_passed",
-                                              str(bool(passed)).lower())
-        self.versions[label] = ref.version
-        return ref.version
-
-    def reset_aliases(self, champion: str) -> None:
-        from mlflow.exceptions import MlflowException
-
-        self.client.set_registered_model_alias(self.model_name, "champion", champion)
-        for alias in ("canary", "shadow", "previous-champion"):
-            try:
-                self.client.delete_registered_model_alias(self.model_name, alias)
-            except MlflowException:
-                pass
-
-
-def base_bundle(art: Artifacts, work: Path, champion_manifest: dict) -> tuple[Path, Path | None]:
-    """The base model as a bundle, with an eval record made from the pipeline's evaluation of it (the release
-    gates are the champion's, re-checked on the base model's results)."""
-    from artifacts.eval_record import read_eval_record, write_eval_record
-    from artifacts.manifest import Lineage
-    from artifacts.writer import BundleConfig, write_bundle
-    from evals.gates import check_gates, parse_gate
-    from evals.results import read_results_json, to_jsonable
-
-    out = work / "bundles" / "base"
-    if not (out / "manifest.json").is_file():
-        shutil.rmtree(out, ignore_errors=True)
-        write_bundle(art.base_model, out, BundleConfig(name=champion_manifest["name"],
-                                                       version=f"base-{art.base_model.name[:12]}"),
-                     Lineage(base_model=str(art.base_model)))
-    if art.base_results is None:
-        return out, None
-    results = read_results_json(art.base_results)
-    gates = [parse_gate(g) for g in (read_eval_record(art.champion).gates or {})]
-    report = check_gates(results, gates)
-    metrics = {f"{r.metric}": r.value for r in results}
-    gate_record = {str(c.gate): {"measured": c.measured, "passed": c.passed, "reason": c.reason}
-                   for c in report.checks}
-    return out, write_eval_record(out, metrics=metrics, gates=gate_record, passed=report.passed,
-                                  results=to_jsonable(results))
-
-
 # ----------------------------------------------------------------------------- one rollout
-@dataclass
-class RunOutcome:
-    scenario: str
-    run: int
-    rollout_id: str
-    phase: str  # promoted | rolled_back | paused | awaiting_approval | timeout | error
-    reason: str
-    seconds: float
-    decided_at: str = ""  # the analysis that decided: "shadow", "canary 10%", ...
-    looks: int = 0
-    extensions: int = 0
-    fired: list[str] = field(default_factory=list)  # failed gates of the deciding analysis
-    inconclusive: list[str] = field(default_factory=list)  # inconclusive gates of the deciding analysis
-    analyses: list[dict[str, Any]] = field(default_factory=list)
-    fault: dict[str, Any] = field(default_factory=dict)
-    error: str = ""
-    load: list[float] = field(default_factory=list)  # 1-minute load average at the start and at the end
-
-
-def _summarise(scenario: str, run: int, state, seconds: float, fault: dict) -> RunOutcome:
-    phase = state.phase
-    out = RunOutcome(scenario, run, state.id, phase, state.reason, seconds, looks=len(state.analyses),
-                     extensions=sum(d["kind"] == "extend" for d in state.decisions), fault=fault)
-    for a in state.analyses:
-        out.analyses.append({"look": a["look"], "phase": a["phase"], "weight": a["weight"], "outcome": a["outcome"],
-                             "traffic": a.get("traffic", []), "metrics": a.get("metrics", {}),
-                             "verdicts": [{k: v[k] for k in ("gate", "outcome", "candidate", "baseline", "p_value",
-                                                             "samples", "min_samples", "critical", "reason")}
-                                          for v in a["verdicts"]]})
-    if state.analyses and phase in ("rolled_back", "paused", "promoted", "awaiting_approval"):
-        last = state.analyses[-1]
-        out.decided_at = last["phase"] + (f" {last['weight']:g}%" if last["weight"] else "")
-        out.fired = [v["gate"] for v in last["verdicts"] if v["outcome"] == "fail"]
-        out.inconclusive = [v["gate"] for v in last["verdicts"] if v["outcome"] == "inconclusive"]
-    if phase == "rolled_back" and not out.fired:  # not an analysis: a dead candidate or a person
-        out.decided_at = "controller"
-        out.fired = ["replicas_unavailable" if "unavailable" in state.reason else "other"]
-    return out
-
-
 class Calibration:
     def __init__(self, args: argparse.Namespace, art: Artifacts, plan, traffic: dict[str, Any], log) -> None:
         self.args, self.art, self.plan, self.traffic, self.log = args, art, plan, traffic, log
@@ -471,7 +265,7 @@ class Calibration:
             self.log(f"[{scenario} {run}] error: {type(exc).__name__}: {exc}")
             return RunOutcome(scenario, run, "", "error", "", time.perf_counter() - started, fault=fault,
                               error=f"{type(exc).__name__}: {exc}", load=[load, os.getloadavg()[0]])
-        outcome = _summarise(scenario, run, state, time.perf_counter() - started, fault)
+        outcome = summarise(scenario, run, state, time.perf_counter() - started, fault)
         outcome.load = [load, os.getloadavg()[0]]
         if not state.terminal and state.phase not in ("paused", "awaiting_approval"):
             outcome.phase = "timeout"
@@ -494,96 +288,6 @@ class Calibration:
                 "runs": [asdict(o) for o in self.outcomes]}
         (out / "runs.json").write_text(json.dumps(data, indent=1, default=str))
         (out / "table.md").write_text(markdown(self.outcomes, self.scenario_seconds, self.plan, self.notes))
-
-
-# ----------------------------------------------------------------------------- the table
-def _share(n: int, k: int) -> str:
-    return f"{n}/{k}"
-
-
-def markdown(outcomes: list[RunOutcome], scenario_seconds: dict[str, float], plan, notes: list[str]) -> str:
-    by: dict[str, list[RunOutcome]] = {}
-    for o in outcomes:
-        by.setdefault(o.scenario, []).append(o)
-    rows = ["| scenario | K | promoted | rolled back | paused | timeout/error | result | gates failed at the deciding "
-            "look, inconclusive for a pause (runs) | decided at (runs) | min per rollout (median, max) | "
-            "scenario min | load (1-min, range) |",
-            "|---|---:|---:|---:|---:|---:|---|---|---|---:|---:|---|"]
-    for name in SCENARIOS:
-        runs = by.get(name)
-        if not runs:
-            continue
-        k = len(runs)
-        count = Counter(o.phase for o in runs)
-        other = k - count["promoted"] - count["rolled_back"] - count["paused"]
-        if name == "aa":
-            result = (f"false rollbacks {_share(count['rolled_back'], k)}, false pauses "
-                      f"{_share(count['paused'], k)}")
-        else:
-            result = (f"detected {_share(count['rolled_back'], k)} (rolled back), held "
-                      f"{_share(count['paused'], k)} (paused), missed {_share(count['promoted'], k)}")
-        gates = Counter(g for o in runs if o.phase != "promoted" for g in (o.fired or o.inconclusive))
-        where = Counter(o.decided_at or o.phase for o in runs if o.phase != "promoted")
-        minutes = [o.seconds / 60 for o in runs]
-        rows.append(f"| {TITLES[name]} | {k} | {count['promoted']} | {count['rolled_back']} | {count['paused']} | "
-                    f"{other} | {result} | {', '.join(f'{g} ({n})' for g, n in gates.most_common()) or '–'} | "
-                    f"{', '.join(f'{w} ({n})' for w, n in where.most_common()) or '–'} | "
-                    f"{statistics.median(minutes):.1f}, {max(minutes):.1f} | "
-                    f"{scenario_seconds.get(name, sum(o.seconds for o in runs)) / 60:.1f} | {_load_range(runs)} |")
-    total = sum(scenario_seconds.values()) / 60
-    text = ["\n".join(rows), "",
-            f"Total: {len(outcomes)} rollouts in {total:.1f} min (scenario minutes include starting its replicas).",
-            "", f"Plan: {describe_plan(plan)}."]
-    if notes:
-        text += [""] + [f"- {n}" for n in notes]
-    text += ["", gate_table(by)]
-    return "\n".join(text) + "\n"
-
-
-def _load_range(runs: list[RunOutcome]) -> str:
-    loads = [x for o in runs for x in o.load]
-    return f"{min(loads):.1f}–{max(loads):.1f}" if loads else "–"
-
-
-def describe_plan(plan) -> str:
-    steps = " → ".join(f"{s.weight:g}% {s.seconds:g} s (≥ {s.min_requests} requests)" for s in plan.steps)
-    g = plan.gates
-    return (f"baseline {plan.baseline_seconds:g} s (≥ {plan.baseline_min_pairs} pairs), shadow "
-            f"{plan.shadow_seconds:g} s (≥ {plan.shadow_min_pairs} pairs), canary {steps}, "
-            f"{plan.max_extensions} extension(s), alpha {g.alpha:g} / {plan.planned_looks + plan.max_extensions} "
-            f"looks per gate; 5xx ≤ +{g.max_error_rate_increase:g}, TTFT/ITL ≤ ×{g.max_ttft_ratio:g}/"
-            f"×{g.max_itl_ratio:g}, ms/token p95 ≤ ×{g.max_ms_per_token_p95_ratio:g}, agreement ≤ "
-            f"+{g.max_agreement_drop:g}, probes {plan.probes.tasks} tasks + {plan.probes.safety} safety (accuracy, "
-            f"refusals ≤ +{g.max_accuracy_drop:g}, +{g.max_refusal_drop:g}), eval record "
-            f"{'required' if g.require_eval_record else 'optional'}")
-
-
-def gate_table(by: dict[str, list[RunOutcome]]) -> str:
-    """Every verdict of every analysis, counted per scenario, gate and phase: pass / inconclusive / fail, and the
-    range of the measured values (ratios for latency gates, rates for the others)."""
-    rows = ["| scenario | phase | gate | pass | inconclusive | fail | candidate value (min–median–max) | "
-            "smallest p |", "|---|---|---|---:|---:|---:|---|---:|"]
-    for name in SCENARIOS:
-        counts: dict[tuple[str, str], Counter] = {}
-        values: dict[tuple[str, str], list[float]] = {}
-        pvals: dict[tuple[str, str], list[float]] = {}
-        for o in by.get(name, []):
-            for a in o.analyses:
-                where = a["phase"] + (f" {a['weight']:g}%" if a["weight"] else "")
-                for v in a["verdicts"]:
-                    key = (where, v["gate"])
-                    counts.setdefault(key, Counter())[v["outcome"]] += 1
-                    if isinstance(v["candidate"], (int, float)):
-                        values.setdefault(key, []).append(float(v["candidate"]))
-                    if isinstance(v["p_value"], (int, float)):
-                        pvals.setdefault(key, []).append(float(v["p_value"]))
-        for (where, gate), c in counts.items():
-            vals = values.get((where, gate), [])
-            span = f"{min(vals):.3g}–{statistics.median(vals):.3g}–{max(vals):.3g}" if vals else "–"
-            p = f"{min(pvals[(where, gate)]):.2g}" if pvals.get((where, gate)) else "–"
-            rows.append(f"| {name} | {where} | {gate} | {c['pass']} | {c['inconclusive']} | {c['fail']} | {span} | "
-                        f"{p} |")
-    return "\n".join(rows)
 
 
 # ----------------------------------------------------------------------------- plumbing

@@ -1,0 +1,179 @@
+"""What the rollout calibration takes from the pipeline's workdir (read only), and its own MLflow registry.
+
+``benchmarks/rollout_calibration.py`` registers the pipeline's champion bundle (and each scenario's candidate) in
+a store of its own, so the pipeline's registry is only ever read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class CalibrationError(Exception):
+    """Something the user can fix (a missing artifact, a bad flag): one line, exit 2."""
+
+
+@dataclass
+class Artifacts:
+    """What the calibration takes from the pipeline's workdir (read only)."""
+
+    workdir: Path
+    model_name: str
+    data_dir: Path
+    champion: Path  # a bundle dir with its eval record beside the manifest
+    drill: Path | None = None
+    base_model: Path | None = None
+    base_results: Path | None = None  # eval_results.json of the pipeline's eval of the base model
+
+
+def _complete(stage_dir: Path) -> bool:
+    return (stage_dir / "STAGE_DONE.json").is_file()
+
+
+def _pipeline_client(workdir: Path):
+    from mlflow import MlflowClient
+
+    db = workdir / "mlflow.db"
+    if not db.is_file():
+        raise CalibrationError(f"{db}: no pipeline registry (run `make run` first)")
+    return MlflowClient(tracking_uri=f"sqlite:///{db}")
+
+
+def _alias_digest(workdir: Path, alias: str) -> tuple[str, str] | None:
+    """(registered model, manifest digest) of the pipeline registry's version with ``alias``."""
+    from mlflow.exceptions import MlflowException
+
+    client = _pipeline_client(workdir)
+    for model in client.search_registered_models():
+        try:
+            mv = client.get_model_version_by_alias(model.name, alias)
+        except MlflowException:
+            continue
+        return model.name, (mv.tags or {}).get("manifest_digest", "")
+    return None
+
+
+def _bundle_by_digest(workdir: Path, digest: str) -> Path | None:
+    from artifacts.manifest import manifest_digest
+
+    for manifest in sorted(workdir.glob("runs/*/bundle-*/bundle/manifest.json")):
+        if manifest_digest(manifest.parent) == digest:
+            return manifest.parent
+    return None
+
+
+def find_artifacts(workdir: Path, champion: str, need: set[str]) -> Artifacts:
+    """The data dir, the champion's bundle and, for the scenarios in ``need``, the drill bundle and the base model."""
+    runs = workdir / "runs"
+    data = sorted((d for d in runs.glob("*/data-*") if _complete(d)), key=lambda d: d.stat().st_mtime)
+    if not data:
+        raise CalibrationError(f"{runs}: no finished data stage (data-*/STAGE_DONE.json)")
+    if Path(champion).is_dir():
+        bundle, model_name = Path(champion).resolve(), ""
+    else:
+        found = _alias_digest(workdir, champion)
+        if found is None:
+            raise CalibrationError(f"{workdir / 'mlflow.db'}: no version has the alias {champion!r} "
+                                   "(give --champion a bundle directory instead)")
+        model_name, digest = found
+        bundle = _bundle_by_digest(workdir, digest)
+        if bundle is None:
+            raise CalibrationError(f"alias {champion!r}: no bundle under {runs} has manifest digest {digest[:12]}")
+    if not (bundle / "eval_record.json").is_file():
+        raise CalibrationError(f"{bundle}: no eval_record.json beside the manifest (not released by the pipeline)")
+    if not model_name:
+        model_name = json.loads((bundle / "manifest.json").read_text())["name"]
+    out = Artifacts(workdir, model_name, data[-1] / "data", bundle)
+    if "refusals" in need:
+        found = _alias_digest(workdir, "drill-candidate")
+        if found is None:
+            raise CalibrationError("no version has the alias `drill-candidate` in the pipeline registry (run "
+                                   "`lifecycle run configs/drill-broken-refusals.yaml`, or leave out --scenarios "
+                                   "refusals)")
+        out.drill = _bundle_by_digest(workdir, found[1])
+        if out.drill is None:
+            raise CalibrationError(f"drill-candidate: no bundle under {runs} has digest {found[1][:12]}")
+    if "accuracy" in need:
+        for stage in sorted(runs.glob("*/eval-base-*")):
+            if _complete(stage) and (stage / "eval_results.json").is_file():
+                info = json.loads((stage / "STAGE_DONE.json").read_text()).get("info", {})
+                if info.get("model") and (Path(info["model"]) / "config.json").is_file():
+                    out.base_model, out.base_results = Path(info["model"]), stage / "eval_results.json"
+        if out.base_model is None:
+            models = sorted((workdir / "models" / "base").glob("*/config.json"))
+            if not models:
+                raise CalibrationError(f"{workdir / 'models' / 'base'}: no base model")
+            out.base_model = models[-1].parent
+    return out
+
+
+# ----------------------------------------------------------------------------- the calibration's registry
+class Registry:
+    """An MLflow store of the calibration's own: v1 the champion, one version per candidate."""
+
+    def __init__(self, root: Path, model_name: str) -> None:
+        from mlflow import MlflowClient
+
+        self.root = root
+        self.tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+        self.model_name = model_name
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.versions: dict[str, str] = {}  # label -> version
+
+    def register(self, label: str, bundle: Path, record: Path | None, aliases: tuple[str, ...] = ()) -> str:
+        """Register ``bundle`` (once per label) and, as the pipeline's release stage does, tag the verdict
+        of its eval record and log the record beside the version's run (where the controller reads it)."""
+        from artifacts.eval_record import read_eval_record
+        from artifacts.registry import register_bundle
+
+        if label in self.versions:
+            return self.versions[label]
+        ref = register_bundle(bundle, self.model_name, tracking_uri=self.tracking_uri, aliases=aliases,
+                              description=f"rollout calibration: {label}")
+        if record is not None:
+            passed = read_eval_record(bundle).passed  # the record beside the manifest, checked against it
+            self.client.log_artifact(ref.run_id, str(record))
+            self.client.set_model_version_tag(self.model_name, ref.version, "lifecycle.gates_passed",
+                                              str(bool(passed)).lower())
+        self.versions[label] = ref.version
+        return ref.version
+
+    def reset_aliases(self, champion: str) -> None:
+        from mlflow.exceptions import MlflowException
+
+        self.client.set_registered_model_alias(self.model_name, "champion", champion)
+        for alias in ("canary", "shadow", "previous-champion"):
+            try:
+                self.client.delete_registered_model_alias(self.model_name, alias)
+            except MlflowException:
+                pass
+
+
+def base_bundle(art: Artifacts, work: Path, champion_manifest: dict) -> tuple[Path, Path | None]:
+    """The base model as a bundle, with an eval record made from the pipeline's evaluation of it (the release
+    gates are the champion's, re-checked on the base model's results)."""
+    from artifacts.eval_record import read_eval_record, write_eval_record
+    from artifacts.manifest import Lineage
+    from artifacts.writer import BundleConfig, write_bundle
+    from evals.gates import check_gates, parse_gate
+    from evals.results import read_results_json, to_jsonable
+
+    out = work / "bundles" / "base"
+    if not (out / "manifest.json").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        write_bundle(art.base_model, out, BundleConfig(name=champion_manifest["name"],
+                                                       version=f"base-{art.base_model.name[:12]}"),
+                     Lineage(base_model=str(art.base_model)))
+    if art.base_results is None:
+        return out, None
+    results = read_results_json(art.base_results)
+    gates = [parse_gate(g) for g in (read_eval_record(art.champion).gates or {})]
+    report = check_gates(results, gates)
+    metrics = {f"{r.metric}": r.value for r in results}
+    gate_record = {str(c.gate): {"measured": c.measured, "passed": c.passed, "reason": c.reason}
+                   for c in report.checks}
+    return out, write_eval_record(out, metrics=metrics, gates=gate_record, passed=report.passed,
+                                  results=to_jsonable(results))
