@@ -38,16 +38,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from benchmarks.servers import (  # noqa: E402
-    SERVED_NAME,
-    BenchError,
-    Child,
-    build_model,
-    free_port,
-    machine_facts,
-    stop_all,
-    wait_ready,
-)
+from benchmarks.servers import SERVED_NAME, BenchError, build_model, free_port, launch, machine_facts, stop_all  # noqa: E402
 from benchmarks.stream_load import make_prompts, make_shapes, run_load, summarize  # noqa: E402
 from benchmarks.vllm_peer import vllm_env, vllm_python_from  # noqa: E402
 
@@ -158,10 +149,9 @@ def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, voc
         for server in servers:
             port = server.args[server.args.index("--port") + 1]
             print(f"{server.name}: serving on port {port}", flush=True)
-            child = Child(server.name, server.args, logs / f"{server.name}.log", server.env)
-            children.append(child)
             url = f"http://127.0.0.1:{port}"
-            wait_ready(child, url, timeout_s=600, path=server.ready_path)
+            child = launch(children, server.name, server.args, logs / f"{server.name}.log", server.env, url,
+                           timeout_s=600, path=server.ready_path)
             urls[server.name], pids[server.name] = url, child.pid
         return asyncio.run(drive_all(urls, pids, args, vocab))
     except TurnFailed as exc:

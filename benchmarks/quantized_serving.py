@@ -36,7 +36,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from benchmarks.servers import SERVED_NAME, BenchError, Child, free_port, machine_facts, stop_all, wait_ready  # noqa: E402
+from benchmarks.servers import SERVED_NAME, BenchError, free_port, launch, machine_facts, stop_all  # noqa: E402
 from benchmarks.stream_load import FIRST_NORMAL_TOKEN  # noqa: E402
 
 Prompt = str | list[int]
@@ -146,16 +146,15 @@ def run(args: argparse.Namespace, systems: dict[str, tuple[Path, list[str]]],
     results: dict[str, dict[str, list]] = {name: {"c16": [], "c1": []} for name in systems}
     replies: dict[str, list[list[str]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
-        children, urls = {}, {}
+        children, urls = [], {}
         try:
             for i, (name, (model, flags)) in enumerate(systems.items()):
                 port = free_port()
-                children[name] = Child(f"server{i}", [
+                urls[name] = f"http://127.0.0.1:{port}"
+                launch(children, f"server{i}", [
                     sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
                     "--served-model-name", SERVED_NAME, "--threads", str(args.threads), "--log-level",
-                    "warning", *flags], Path(tmp) / f"server{i}.log", None)
-                urls[name] = f"http://127.0.0.1:{port}"
-                wait_ready(children[name], urls[name], timeout_s=300)
+                    "warning", *flags], Path(tmp) / f"server{i}.log", None, urls[name], timeout_s=300)
                 complete(urls[name], prompts[0], 4)  # warm-up
             names = list(systems)
             for level, (conc, batch) in {"c16": (16, prompts), "c1": (1, prompts[:8])}.items():
@@ -166,7 +165,7 @@ def run(args: argparse.Namespace, systems: dict[str, tuple[Path, list[str]]],
                         replies.setdefault(name, out)
                         print(f"  {level} round {r + 1}: {name}: {tok_s:.0f} tok/s", flush=True)
         finally:
-            stop_all(children.values())
+            stop_all(children)
     return results, replies
 
 

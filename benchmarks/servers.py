@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 SERVED_NAME = "bench"
 
 __all__ = ["REPO", "SERVED_NAME", "BenchError", "Child", "add_key", "build_model", "engine_server", "free_port",
-           "machine_facts", "run_with_servers", "serve_args", "start_gateway", "stop_all", "wait_ready"]
+           "launch", "machine_facts", "run_with_servers", "serve_args", "start_gateway", "stop_all", "wait_ready"]
 
 
 class BenchError(LifecycleError):
@@ -79,6 +79,16 @@ def wait_ready(child: Child, url: str, timeout_s: float, path: str = "/ready") -
         raise BenchError(f"{child.name} exited with {child.proc.returncode} while starting; "
                          f"log {child.log}:\n{child.tail()}")
     raise BenchError(f"{child.name} not ready at {url} after {timeout_s:.0f} s; log {child.log}")
+
+
+def launch(children: list[Child], name: str, args: list[str], log: Path, env: dict[str, str] | None, url: str,
+           timeout_s: float, path: str = "/ready") -> Child:
+    """Start a server into ``children`` first (so it is stopped whatever happens next), then wait until it is
+    ready (see `wait_ready`); returns it."""
+    child = Child(name, args, log, env)
+    children.append(child)
+    wait_ready(child, url, timeout_s, path)
+    return child
 
 
 def stop_all(children: Iterable[Child]) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from benchmarks.servers import SERVED_NAME, BenchError, Child, free_port, machine_facts, stop_all, wait_ready  # noqa: E402
+from benchmarks.servers import SERVED_NAME, BenchError, Child, free_port, launch, machine_facts, stop_all  # noqa: E402
 
 SEEDS = ["The quick brown fox", "Once upon a time there was", "Hello, how are you", "The park was full of",
          "My favourite colour is", "Yesterday I went to", "The best way to learn is", "In the morning we"]
@@ -92,16 +92,16 @@ def scrape_acceptance(url: str) -> tuple[float, float]:
             samples.get("vllm:spec_decode_num_accepted_tokens_total", 0.0))
 
 
-def start_server(name: str, model: Path, threads: int, speculative_tokens: int, logs: Path,
-                 flags: list[str] | None = None) -> tuple[Child, str]:
+def start_server(children: list[Child], name: str, model: Path, threads: int, speculative_tokens: int, logs: Path,
+                 flags: list[str] | None = None) -> str:
+    """Our server with ``--speculative-tokens`` (0: plain) and ``flags``, started into ``children``; its URL."""
     port = free_port()
-    env = dict(os.environ)
-    child = Child(name, [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
-                         "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
-                         "--speculative-tokens", str(speculative_tokens), *(flags or [])], logs / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(child, url, timeout_s=300)
-    return child, url
+    launch(children, name, [sys.executable, "-m", "serving.cli", "serve", str(model), "--port", str(port),
+                            "--served-model-name", SERVED_NAME, "--threads", str(threads), "--log-level", "warning",
+                            "--speculative-tokens", str(speculative_tokens), *(flags or [])], logs / f"{name}.log",
+           dict(os.environ), url, timeout_s=300)
+    return url
 
 
 def default_model() -> Path:
@@ -181,15 +181,13 @@ def main() -> int:
             if path is not None and not (path / "config.json").is_file():
                 raise BenchError(f"{path}: not a model directory (config.json missing)")
         with tempfile.TemporaryDirectory(prefix="bench-spec-") as tmp:
-            children = []
+            children: list[Child] = []
             try:
-                plain, plain_url = start_server("plain", model, args.threads, 0, Path(tmp))
-                children.append(plain)
+                plain_url = start_server(children, "plain", model, args.threads, 0, Path(tmp))
                 spec_urls = {}
                 for i, (label, flags) in enumerate(speculative_servers(args).items()):
-                    spec, spec_urls[label] = start_server(f"speculative-{i}", model, args.threads, args.tokens,
-                                                          Path(tmp), flags)
-                    children.append(spec)
+                    spec_urls[label] = start_server(children, f"speculative-{i}", model, args.threads, args.tokens,
+                                                    Path(tmp), flags)
                 results = bench(args, plain_url, spec_urls)
             finally:
                 stop_all(children)

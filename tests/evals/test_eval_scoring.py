@@ -37,14 +37,21 @@ def test_answers_match(pred, ref, ok):
     assert answers_match(pred, ref) is ok
 
 
+def _sum(a: int, b: int, task: str = "addition") -> dict[str, str]:
+    return {"task": task, "prompt": f"What is {a} + {b}?", "answer": str(a + b)}
+
+
+def _reverse(word: str) -> dict[str, str]:
+    return {"task": "reverse", "prompt": f"Reverse the word: {word}", "answer": word[::-1]}
+
+
+def _records(*records: dict[str, str]) -> list[dict[str, str]]:
+    """Held-out task records with ids 1, 2, ... in order."""
+    return [{"id": str(i), **r} for i, r in enumerate(records, start=1)]
+
+
 def test_task_accuracy_counts_right_and_wrong_per_task():
-    records = [
-        {"id": "1", "task": "addition", "prompt": "What is 1 + 2?", "answer": "3"},
-        {"id": "2", "task": "addition", "prompt": "What is 2 + 2?", "answer": "4"},
-        {"id": "3", "task": "addition", "prompt": "What is 3 + 2?", "answer": "5"},
-        {"id": "4", "task": "reverse", "prompt": "Reverse the word: abc", "answer": "cba"},
-        {"id": "5", "task": "reverse", "prompt": "Reverse the word: xyz", "answer": "zyx"},
-    ]
+    records = _records(_sum(1, 2), _sum(2, 2), _sum(3, 2), _reverse("abc"), _reverse("xyz"))
     replies = ["Answer: 3", "Answer: 5", "4", "Answer: cba", "I think zyx"]
     result = score_tasks(records, replies)
     assert (result.metric, result.n) == ("task_accuracy", 5)
@@ -61,12 +68,7 @@ def test_carry_count(a, b, carries):
 
 
 def test_sums_are_sliced_by_task_width_and_carries():
-    records = [
-        {"id": "1", "task": "addition", "prompt": "What is 12 + 34?", "answer": "46"},
-        {"id": "2", "task": "addition", "prompt": "What is 37 + 48?", "answer": "85"},
-        {"id": "3", "task": "long_addition", "prompt": "What is 375 + 148?", "answer": "523"},
-        {"id": "4", "task": "reverse", "prompt": "Reverse the word: abc", "answer": "cba"},
-    ]
+    records = _records(_sum(12, 34), _sum(37, 48), _sum(375, 148, "long_addition"), _reverse("abc"))
     result = score_tasks(records, ["Answer: 46", "Answer: 86", "Answer: 523", "Answer: cba"])
     by_slice = {name: (s.value, s.n) for name, s in result.slices.items()}
     assert by_slice == {"addition": (0.5, 2), "long_addition": (1.0, 1), "reverse": (1.0, 1),
