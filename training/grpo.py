@@ -15,7 +15,7 @@ from typing import Any
 
 from artifacts.common.stop_tokens import stop_token_ids
 from training.heldout_curve import METRIC as HELDOUT_METRIC
-from training.heldout_curve import heldout_curve_callback, load_heldout_sample
+from training.informative_groups import informative_groups_trainer
 from training.lora import keep_adapters_fp32
 from training.rewards import build_reward_functions
 from training.stage_config import GRPOStageConfig, StageResult, TrainingError
@@ -67,13 +67,9 @@ def _build_trainer(ctx: StageContext):
         log_completions=False,
         mask_truncated_completions=False,
     )
-    sample = load_heldout_sample(ctx.data_dir, cfg.heldout_curve_prompts) if ctx.data_dir else None
-    curve = None if sample is None else heldout_curve_callback(sample, ctx.tokenizer, stop_ids,
-                                                               cfg.max_completion_length, cfg.heldout_curve_every)
-    trainer = GRPOTrainer(model=ctx.model, reward_funcs=funcs, args=args, train_dataset=ctx.dataset,
-                          processing_class=ctx.tokenizer, callbacks=[curve] if curve else None)
-    if curve is not None:
-        curve.bind(trainer)
+    trainer_class = informative_groups_trainer(GRPOTrainer) if cfg.drop_uninformative_groups else GRPOTrainer
+    trainer = trainer_class(model=ctx.model, reward_funcs=funcs, args=args, train_dataset=ctx.dataset,
+                            processing_class=ctx.tokenizer)
     keep_adapters_fp32(trainer.model, ctx.hw)
     return trainer
 
@@ -135,9 +131,6 @@ def _after_train(ctx: StageContext, history: list[dict[str, Any]]) -> dict[str, 
                "reward_gain": trend.reward_last - trend.reward_first, "reward_hacking_suspected": float(trend.hacked)}
     if trend.correct_first is not None and trend.correct_last is not None:
         metrics.update(correctness_first_third=trend.correct_first, correctness_last_third=trend.correct_last)
-    curve = reward_points(history, HELDOUT_METRIC)
-    if curve:
-        metrics.update(heldout_greedy_accuracy_first=curve[0][1], heldout_greedy_accuracy_last=curve[-1][1])
     if trend.hacked:
         log.warning("grpo: the weighted reward rose %.3f -> %.3f while answer correctness fell %.3f -> %.3f: the "
                     "shaping rewards are being gamed; lower partial_credit_weight / format_weight or the learning "

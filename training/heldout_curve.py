@@ -82,18 +82,51 @@ def heldout_curve_callback(sample: HeldoutSample, tokenizer: Any, eos_ids: list[
             self.trainer = trainer
             return self
 
-        def _measure(self, state: Any) -> None:
+        def _measure(self, state: Any, control: Any) -> None:
             if self.trainer is None or state.global_step in self.measured:
                 return
             self.measured.add(state.global_step)
             value = greedy_accuracy(self.trainer.model, tokenizer, sample, eos_ids, max_new_tokens)
+            # Trainer.log clears `should_log` (its callback handler does, for every log call): keep the flag
+            # the flow callback set for this step, or the step's own loss row is never written.
+            should_log = control.should_log
             self.trainer.log({METRIC: value})
+            control.should_log = should_log
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self._measure(state)
+            self._measure(state, control)
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % every == 0 or state.global_step >= state.max_steps:
-                self._measure(state)
+                self._measure(state, control)
 
     return HeldoutCurve()
+
+
+# A worked 2-digit sum and its answer line is ~28 tokens; a stage without a completion limit of its own
+# (SFT, DPO) measures its curve with this many new tokens.
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+def attach_heldout_curve(trainer: Any, config: Any, model_dir: Path, data_dir: Path | None, tokenizer: Any) -> bool:
+    """Measure the held-out curve during ``trainer``'s run when the stage asks for one and the data dir holds
+    held-out tasks; returns whether it was attached. Every stage gets the same curve, so SFT, DPO and GRPO can
+    be read off one axis: which stage earned the skill, and when."""
+    from artifacts.common.stop_tokens import stop_token_ids
+
+    sample = load_heldout_sample(data_dir, config.heldout_curve_prompts) if data_dir is not None else None
+    if sample is None:
+        return False
+    max_new_tokens = getattr(config, "max_completion_length", DEFAULT_MAX_NEW_TOKENS)
+    curve = heldout_curve_callback(sample, tokenizer, stop_token_ids(model_dir, tokenizer), max_new_tokens,
+                                   config.heldout_curve_every)
+    trainer.add_callback(curve.bind(trainer))
+    return True
+
+
+def curve_summary(history: list[dict[str, Any]]) -> dict[str, float]:
+    """First and last point of the curve in a trainer's log history (nothing when it was not measured)."""
+    points = [float(row[METRIC]) for row in history if METRIC in row]
+    if not points:
+        return {}
+    return {f"{METRIC}_first": points[0], f"{METRIC}_last": points[-1]}

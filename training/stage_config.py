@@ -67,6 +67,11 @@ class _StageBase:
     logging_steps: int = 5
     seed: int = 0
     max_train_examples: Optional[int] = None  # cap on the training rows read (None = all)
+    # Greedy accuracy on this many held-out task prompts before the first step, every `heldout_curve_every`
+    # steps and at the last one, logged as a curve (training.heldout_curve) so a user sees which stage earned
+    # the skill and when; 0 turns it off. A stage whose data dir has no held-out tasks trains without it.
+    heldout_curve_prompts: int = 64
+    heldout_curve_every: int = 50
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):  # tolerate a plain mapping from YAML for the nested section
@@ -74,7 +79,9 @@ class _StageBase:
         if self.max_steps <= 0 and not self.epochs:
             raise ValueError("max_steps: must be > 0 unless epochs is set")
         _check_positive(self, "learning_rate", "batch_size", "grad_accum", "max_seq_len", "save_steps",
-                        "logging_steps", "epochs", "max_train_examples")
+                        "logging_steps", "epochs", "max_train_examples", "heldout_curve_every")
+        if self.heldout_curve_prompts < 0:
+            raise ValueError(f"heldout_curve_prompts: must be >= 0, got {self.heldout_curve_prompts}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         if self.lr_scheduler not in {"linear", "cosine", "constant", "constant_with_warmup"}:
@@ -100,6 +107,7 @@ class DPOStageConfig(_StageBase):
     max_steps: int = 150
     beta: float = 0.1
     sft_weight: float = 0.0  # weight of an NLL term on the chosen reply (RPO); keeps the learned format anchored
+    heldout_curve_every: int = 30
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -145,9 +153,9 @@ class GRPOStageConfig(_StageBase):
     # tokens where the policy hesitates (which digit to copy, whether to carry) are where replies fork;
     # the rest is format the policy already writes.
     top_entropy_quantile: float = 1.0
-    # Greedy accuracy on this many held-out task prompts every `heldout_curve_every` steps, logged as a curve
-    # (training.heldout_curve); 0 turns it off.
-    heldout_curve_prompts: int = 64
+    # Skip the policy's backward pass on groups whose replies all scored the same (all right or all wrong):
+    # zero advantage, no signal (DAPO's dynamic sampling; training.informative_groups says why it pays).
+    drop_uninformative_groups: bool = True
     heldout_curve_every: int = 20
 
     def __post_init__(self) -> None:
@@ -158,10 +166,7 @@ class GRPOStageConfig(_StageBase):
             raise ValueError(f"scale_rewards: must be one of {', '.join(REWARD_SCALINGS)}, got {self.scale_rewards!r}")
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile: must be in (0, 1], got {self.top_entropy_quantile}")
-        if self.heldout_curve_prompts < 0:
-            raise ValueError(f"heldout_curve_prompts: must be >= 0, got {self.heldout_curve_prompts}")
-        _check_positive(self, "num_generations", "max_completion_length", "temperature", "num_iterations",
-                        "heldout_curve_every")
+        _check_positive(self, "num_generations", "max_completion_length", "temperature", "num_iterations")
         if self.num_generations < 2:
             raise ValueError("num_generations: a group needs at least 2 completions to compare")
         if self.batch_size % self.num_generations:

@@ -31,6 +31,7 @@ from training.checkpoints import (
     write_marker,
 )
 from training.hardware import Hardware, TrainingError, configure_threads, detect_hardware, trainer_hardware_kwargs
+from training.heldout_curve import attach_heldout_curve, curve_summary
 from training.stage_config import StageResult
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ _SUMMARY_KEYS = ("loss", "reward", "kl", "mean_token_accuracy", "rewards/accurac
                  "rewards/correctness_reward/mean", "rewards/format_reward/mean", "rewards/partial_credit_reward/mean",
                  "rewards/work_reward/mean",
                  "rewards/length_penalty/mean",
-                 "completions/mean_length", "frac_reward_zero_std")
+                 "completions/mean_length", "frac_reward_zero_std", "informative_group_fraction")
 
 
 def _metrics_from_history(history: list[dict[str, Any]], train_output: Any) -> dict[str, float]:
@@ -281,6 +282,7 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
                        dataset=Dataset.from_list(rows), args=_common_args(config, hw, checkpoints_dir),
                        data_dir=data_dir)
     trainer = spec.build_trainer(ctx)
+    attach_heldout_curve(trainer, config, model_dir, data_dir, tokenizer)
     _quiet_progress(trainer)
     resumed_from_step = 0
     if resume_from is not None:
@@ -299,6 +301,7 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     metrics = _metrics_from_history(history, train_output)
     metrics["train_wall_seconds"] = round(time.monotonic() - started, 2)
     metrics["resumed_from_step"] = float(resumed_from_step)
+    metrics.update(curve_summary(history))
     if lengths.examples:
         metrics["truncated_examples"] = float(lengths.overlong)
         metrics["longest_example_tokens"] = float(lengths.longest)

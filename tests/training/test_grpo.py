@@ -13,7 +13,8 @@ from training.stage_config import GRPOStageConfig, LoraSettings, TrainingError
 
 def tiny_grpo(**overrides) -> GRPOStageConfig:
     values = dict(max_steps=3, batch_size=8, num_generations=4, max_completion_length=8, beta=0.05,
-                  learning_rate=5e-3, save_steps=2, logging_steps=1, lora=LoraSettings(r=4, alpha=8))
+                  learning_rate=5e-3, save_steps=2, logging_steps=1, lora=LoraSettings(r=4, alpha=8),
+                  heldout_curve_prompts=4)
     values.update(overrides)
     return GRPOStageConfig(**values)
 
@@ -33,6 +34,9 @@ def test_grpo_logs_rewards_and_plots_the_curve(micro_base_dir, micro_data_dir, t
     for row in rows:
         assert row["completions/max_length"] <= 8
         assert "kl" in row  # beta > 0: KL against the input model is computed
+        # the backward pass ran on informative groups only; the share kept is logged every step
+        # (TRL's own count of zero-std groups agrees: one process, so every group is seen here)
+        assert row["informative_group_fraction"] == pytest.approx(1.0 - row["frac_reward_zero_std"])
     # the held-out greedy accuracy curve: before the first step, every 2 steps and at the last one
     curve = [(row["step"], row[HELDOUT_METRIC]) for row in result.log_history if HELDOUT_METRIC in row]
     assert [step for step, _ in curve] == [0, 2, 3] and all(v in (0.0, 0.25, 0.5, 0.75, 1.0) for _, v in curve)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.checkpoints import MARKER_NAME
+from training.heldout_curve import METRIC as HELDOUT_METRIC
 from training.sft import SFT_SPEC, run_sft
 from training.stage_config import LoraSettings, SFTStageConfig, TrainingError
 from training.stages import load_records, measure_lengths
@@ -23,7 +24,7 @@ HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "token
 
 def tiny_sft(**overrides) -> SFTStageConfig:
     values = dict(max_steps=4, batch_size=4, learning_rate=5e-3, save_steps=2, logging_steps=1,
-                  lora=LoraSettings(r=4, alpha=8))
+                  lora=LoraSettings(r=4, alpha=8), heldout_curve_prompts=4, heldout_curve_every=3)
     values.update(overrides)
     return SFTStageConfig(**values)
 
@@ -63,6 +64,13 @@ def test_sft_trains_merges_logs_and_skips_when_finished(micro_base_dir, micro_da
     assert "data.sft_train.jsonl.sha256" in data.params
     history = MlflowClient().get_metric_history(run.info.run_id, "train/loss")
     assert len(history) == len(losses)
+    # the held-out greedy curve every stage measures: before the first step, every 3 steps and at the last one
+    curve = [(row["step"], row[HELDOUT_METRIC]) for row in result.log_history if HELDOUT_METRIC in row]
+    assert [step for step, _ in curve] == [0, 3, 4] and all(v in (0.0, 0.25, 0.5, 0.75, 1.0) for _, v in curve)
+    assert result.metrics["heldout_greedy_accuracy_first"] == curve[0][1]
+    assert result.metrics["heldout_greedy_accuracy_last"] == curve[-1][1]
+    logged = MlflowClient().get_metric_history(run.info.run_id, f"train/{HELDOUT_METRIC}")
+    assert sorted(m.step for m in logged) == [0, 3, 4]
     mlflow.set_tracking_uri(None)
 
     stamp = (out / "model.safetensors").stat().st_mtime_ns

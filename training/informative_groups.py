@@ -1,0 +1,69 @@
+"""Train GRPO only on the groups that carry a learning signal (DAPO's dynamic sampling, without the refill).
+
+A group whose replies all earned the same reward (all right, or all wrong) has zero advantage for every
+reply: with no KL term it adds nothing to the policy gradient, yet TRL still runs the policy's forward and
+backward pass over it, the most expensive part of a GRPO step on a small model. Once the policy solves most
+training prompts, most groups are like that. Dropping them before the backward pass spends the stage's time
+on the prompts it can still learn from, and the DAPO token-mean loss is then a mean over the tokens that
+carry signal (DAPO's own normalisation).
+
+With `beta > 0` a dropped group also loses its KL term; the reference still anchors every group that is
+trained on, and the KL is still measured on those.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Advantages are (reward - group mean) / (group std + 1e-4); equal rewards give 0 up to float rounding.
+ZERO_ADVANTAGE = 1e-6
+
+
+def informative_rows(advantages: Any, group_size: int) -> Any:
+    """A boolean mask over the batch's rows: True for every reply of a group with a non-zero advantage.
+
+    TRL lays out each prompt's `group_size` replies as consecutive rows. When no group is informative the
+    first one is kept, so the step still has a (zero-loss) batch to run and the trainer's bookkeeping holds.
+    """
+    groups = advantages.detach().reshape(-1, group_size).abs().amax(dim=1) > ZERO_ADVANTAGE
+    if not bool(groups.any()):
+        groups[0] = True
+    return groups.repeat_interleave(group_size)
+
+
+def select_rows(batch: dict[str, Any], keep: Any) -> dict[str, Any]:
+    """The rows of a TRL generation batch that `keep` marks; per-row tensors and lists are cut, and the token
+    count the DAPO loss divides by (`num_items_in_batch`) is left for the caller to recount."""
+    rows = int(keep.numel())
+    index = keep.nonzero(as_tuple=True)[0]
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if hasattr(value, "shape") and value.dim() >= 1 and value.shape[0] == rows:
+            out[key] = value.index_select(0, index.to(value.device))
+        elif isinstance(value, list) and len(value) == rows:
+            out[key] = [item for item, kept in zip(value, keep.tolist()) if kept]
+        else:
+            out[key] = value
+    return out
+
+
+def informative_groups_trainer(base: type) -> type:
+    """A subclass of TRL's `GRPOTrainer` (passed in, so TRL is imported only when a stage runs) that trains
+    on informative groups only and logs the share it kept as `informative_group_fraction`."""
+
+    class InformativeGroupsGRPOTrainer(base):
+        def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+            batch = super()._generate_and_score_completions(inputs)
+            if not self.model.training:
+                return batch
+            keep = informative_rows(batch["advantages"], self.num_generations)
+            kept = select_rows(batch, keep)
+            mask = kept["completion_mask"] if "tool_mask" not in kept else kept["completion_mask"] * kept["tool_mask"]
+            kept["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
+            groups = batch["advantages"].numel() // self.num_generations
+            trained = int(keep.sum()) // self.num_generations
+            informative = trained if bool(batch["advantages"].abs().amax() > ZERO_ADVANTAGE) else 0
+            self._metrics["train"]["informative_group_fraction"].append(informative / max(1, groups))
+            return kept
+
+    return InformativeGroupsGRPOTrainer
