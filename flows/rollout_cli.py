@@ -17,7 +17,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from serving.rollout.state import StateFile, exit_status
+    from serving.rollout.state import StateFile, phase_exit_status
 
     state = StateFile(args.dir).load()  # a bad directory answers one line before Prefect starts
     prepare_environment(resolve_workdir())
@@ -27,4 +27,4 @@ def _run(args: argparse.Namespace) -> int:
     quiet_logs.install()
     result = rollout_flow(rollout_dir=str(args.dir), max_seconds=args.max_seconds)
     print(f"rollout {state.id}: {result['phase']}" + (f" ({result['reason']})" if result["reason"] else ""))
-    return exit_status(result["phase"])
+    return phase_exit_status(result["phase"])

@@ -47,7 +47,7 @@ def spawn_controller(fleet, directory: Path) -> int:
 def follow(directory: Path, poll_s: float = 1.0) -> int:
     """Print the rollout's decisions as they happen, until it ends or waits for a person."""
     from serving.rollout.report import timeline_lines
-    from serving.rollout.state import AWAITING_APPROVAL, PAUSED, StateFile, exit_status
+    from serving.rollout.state import AWAITING_APPROVAL, PAUSED, StateFile, phase_exit_status
 
     files = StateFile(directory)
     shown = 0
@@ -59,12 +59,12 @@ def follow(directory: Path, poll_s: float = 1.0) -> int:
         shown = len(lines)
         if state.terminal:
             print(f"rollout {state.phase}" + (f": {state.reason}" if state.reason else ""))
-            return exit_status(state.phase)
+            return phase_exit_status(state.phase)
         if state.phase in (PAUSED, AWAITING_APPROVAL):
             print(f"rollout {state.phase}: {state.reason}\n  decide in the MLflow UI (move `champion` to "
                   f"v{state.spec.candidate_version}, or tag it rollout.action = promote | rollback | resume) or "
                   "with `deploy promote|rollback|resume`")
-            return exit_status(state.phase)
+            return phase_exit_status(state.phase)
         time.sleep(poll_s)
 
 

@@ -32,10 +32,10 @@ def _register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from serving.rollout.controller import Controller
-    from serving.rollout.state import exit_status
+    from serving.rollout.state import phase_exit_status
 
     controller = Controller(args.dir, say=lambda line: print(line, flush=True))
-    return exit_status(controller.run_until_done(args.max_seconds).phase)
+    return phase_exit_status(controller.run_until_done(args.max_seconds).phase)
 
 
 if __name__ == "__main__":

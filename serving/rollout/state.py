@@ -133,7 +133,7 @@ class RolloutState:
         return cls(**data)
 
 
-def exit_status(phase: str) -> int:
+def phase_exit_status(phase: str) -> int:
     """What a command that drove or followed a rollout exits with: 0 promoted, 3 rolled back, 4 still running,
     paused or waiting for a person."""
     return {PROMOTED: 0, ROLLED_BACK: 3}.get(phase, 4)
