@@ -5,6 +5,7 @@ Standard library only (the gateway must not pull in anything heavier), so the re
 
 from __future__ import annotations
 
+import http.client
 import socket
 import time
 import urllib.error
@@ -24,7 +25,7 @@ def answers_200(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (our own local URLs)
             return response.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):  # refused, garbled, timed out
         return False
 
 

@@ -118,3 +118,32 @@ def test_log_batch_keeps_a_whole_long_curve_drops_unchartable_values_and_cuts_lo
     data = client.get_run(run.info.run_id).data
     assert data.metrics == {"loss": 1.0 / 2500, "accuracy": 0.5}
     assert data.params == {"recipe": "x" * MAX_PARAM_CHARS, "lr": "0.1"}
+
+
+def test_readiness_poll_treats_a_garbled_answer_as_not_ready_and_reports_a_server_that_never_is():
+    import socket
+    import threading
+
+    from artifacts.common.net import answers_200, free_port, wait_until_ready
+
+    port = free_port()
+    listener = socket.create_server(("127.0.0.1", port))
+
+    def garble() -> None:  # a starting server that answers something that is not HTTP
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"GARBAGE\r\n\r\n")
+
+    threading.Thread(target=garble, daemon=True).start()
+    url = f"http://127.0.0.1:{port}/health"
+    try:
+        assert answers_200(url) is False
+        assert wait_until_ready(url, timeout=0.3, interval=0.05) == f"{url} did not answer 200 within 0 s"
+        assert "exited" in wait_until_ready(url, timeout=5, alive=lambda: False)
+    finally:
+        listener.close()
