@@ -2,7 +2,9 @@
 
 Admin API (admin key): ``GET /admin/routing`` (state and replica health), ``PUT /admin/routing`` (a partial
 update; ``expected_generation`` makes it a compare-and-set, answered 409 when someone else changed the
-state first), ``GET /admin/window?since=&until=`` (the evidence the rollout controller judges a step on).
+state first), ``GET /admin/window?since=&until=`` (the evidence the rollout controller judges a step on),
+``PUT /admin/replicas/{name}`` with ``{"url": ...}`` (a named replica says where it answers now: a Ray actor
+after a restart) and ``DELETE /admin/replicas/{name}`` (it was stopped).
 """
 
 from __future__ import annotations
@@ -137,6 +139,30 @@ class Gateway:
         log.info("routing generation %d set by %s: %s", new.generation, actor, patch)
         return self.routing_view()
 
+    def register_replica(self, name: str, url: object, actor: str) -> dict[str, Any]:
+        """A named replica answers at ``url``: routed there wherever its previous address was."""
+        if not isinstance(url, str):
+            raise GatewayError(400, "url: a string is required", param="url")
+        new = RoutingState.from_json(self.routing.state.to_json())
+        try:
+            moved_from = new.register(name, url)
+        except ValueError as exc:
+            raise GatewayError(400, str(exc), param="url") from None
+        if new.replica_names != self.routing.state.replica_names or moved_from:
+            self.routing.replace(new, actor)
+            self._sync()
+        if moved_from:
+            log.warning("replica %s moved from %s to %s (registered by %s)", name, moved_from, new.replica_names[name],
+                        actor)
+        return {"name": name, "url": new.replica_names[name], "moved_from": moved_from}
+
+    def forget_replica(self, name: str, actor: str) -> dict[str, Any]:
+        new = RoutingState.from_json(self.routing.state.to_json())
+        new.forget(name)
+        if new.replica_names != self.routing.state.replica_names:
+            self.routing.replace(new, actor)
+        return {"name": name, "forgotten": True}
+
 
 def build_gateway_app(config: GatewayConfig, seed: int | None = None) -> FastAPI:
     gateway = Gateway(config, seed)
@@ -193,14 +219,18 @@ def build_gateway_app(config: GatewayConfig, seed: int | None = None) -> FastAPI
     @app.put("/admin/routing")
     async def put_routing(request: Request):
         key = authenticate(request, gateway.keys, admin=True)
-        try:
-            patch = await request.json()
-        except ValueError:
-            raise GatewayError(400, "body must be a JSON object") from None
-        if not isinstance(patch, dict):
-            raise GatewayError(400, "body must be a JSON object")
-        actor = request.headers.get("x-lifecycle-actor") or key.name
-        return gateway.update_routing(patch, actor)
+        return gateway.update_routing(await _json_object(request), _actor(request, key))
+
+    @app.put("/admin/replicas/{name}")
+    async def register_replica(name: str, request: Request):
+        key = authenticate(request, gateway.keys, admin=True)
+        body = await _json_object(request)
+        return gateway.register_replica(name, body.get("url"), _actor(request, key))
+
+    @app.delete("/admin/replicas/{name}")
+    async def forget_replica(name: str, request: Request):
+        key = authenticate(request, gateway.keys, admin=True)
+        return gateway.forget_replica(name, _actor(request, key))
 
     @app.get("/admin/window")
     async def window(request: Request, since: float, until: float | None = None, disagreements: int = 10):
@@ -208,6 +238,21 @@ def build_gateway_app(config: GatewayConfig, seed: int | None = None) -> FastAPI
         return await asyncio.to_thread(gateway.store.window, since, until, max(0, min(disagreements, 100)))
 
     return app
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise GatewayError(400, "body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise GatewayError(400, "body must be a JSON object")
+    return body
+
+
+def _actor(request: Request, key) -> str:
+    """Who changed the routing, for its record: the caller's word (``X-Lifecycle-Actor``), else its key's name."""
+    return request.headers.get("x-lifecycle-actor") or key.name
 
 
 __all__ = ["Fault", "Gateway", "build_gateway_app"]

@@ -13,6 +13,15 @@ long-running champion pool (Kayenta's and Argo's Experiments' rule). Keys move o
 pool and the baseline, which serve the same snapshot, so no conversation ever sees its model change. Above
 50% the baseline takes what is left (``100 - canary_weight``).
 
+Several gateways in front of one fleet agree on every conversation: the bucket is a SHA-256 of the salt and
+the key (no per-process hash seed, no per-gateway state), and the controller pushes the same salt and weights
+to each gateway.
+
+Named replicas: a replica that can come back elsewhere (a Ray actor restarted on another port or node) tells
+the gateway where it answers now (``register``). The gateway swaps the new address in wherever the old one
+was routed, and remembers the move, so a later routing change that still names the old address (a
+controller holding the URLs its rollout started with) reaches the replica where it is.
+
 The state is persisted with an atomic write on every change, with a generation number so two writers
 (a person and the controller) cannot silently overwrite each other (the admin API checks it).
 """
@@ -76,6 +85,8 @@ class RoutingState:
     generation: int = 0
     updated_at: float = 0.0
     updated_by: str = ""
+    replica_names: dict[str, str] = field(default_factory=dict)  # a named replica → where it answers now
+    moved: dict[str, str] = field(default_factory=dict)  # an address a named replica left → where it answers now
 
     def variant(self, name: str) -> Variant:
         if name not in VARIANT_NAMES:
@@ -106,6 +117,33 @@ class RoutingState:
             if name not in VARIANT_NAMES:
                 raise ValueError(f"faults: unknown variant {name!r}")
 
+    def register(self, name: str, url: str) -> str | None:
+        """Replica ``name`` answers at ``url`` now; returns the address it left, when it moved, after routing
+        ``url`` wherever that address was routed."""
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"replica {name!r}: {url!r} is not an http(s) URL")
+        old = self.replica_names.get(name)
+        self.replica_names[name] = url
+        self.moved.pop(url, None)  # an address in use again is nobody's old one
+        if old is None or old == url:
+            return None
+        self.moved = {src: (url if dst == old else dst) for src, dst in self.moved.items()}
+        self.moved[old] = url
+        self.follow_moves()
+        return old
+
+    def forget(self, name: str) -> None:
+        """A named replica that was stopped: its name and the moves that lead to it go."""
+        url = self.replica_names.pop(name, None)
+        self.moved = {src: dst for src, dst in self.moved.items() if dst != url}
+
+    def follow_moves(self) -> None:
+        """Route each moved replica at the address it answers at now."""
+        for name in VARIANT_NAMES:
+            variant = self.variant(name)
+            variant.replicas = list(dict.fromkeys(self.moved.get(url, url) for url in variant.replicas))
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -121,6 +159,7 @@ class RoutingState:
             raise ValueError(f"routing state: {exc}") from None
         for name in VARIANT_NAMES:
             state.variant(name).replicas = [u.rstrip("/") for u in state.variant(name).replicas]
+        state.follow_moves()
         state.validate()
         return state
 

@@ -307,7 +307,7 @@ def test_metrics_parse_and_carry_variant_labels(tmp_path, replica_a, replica_b):
         assert rejected["auth"] == 1
 
 
-def test_the_gateway_never_imports_torch():
+def test_the_gateway_never_imports_torch_or_ray():
     code = ("import sys; import serving.gateway.app, serving.gateway.cli; "
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
+            "sys.exit(1 if {'torch', 'ray'} & set(sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
