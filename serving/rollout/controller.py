@@ -24,7 +24,8 @@ from serving.rollout import analysis as A
 from serving.rollout import recording, report
 from serving.rollout.analysis import Analysis
 from serving.rollout.crash import crash_point
-from serving.rollout.gateway_client import GatewayAdmin, read_secret
+from serving.rollout.gateway_client import read_secret
+from serving.rollout.gateway_group import GatewayGroup
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS
 from serving.rollout.phase_judge import PhaseJudge
 from serving.rollout.registry_console import ACTIONS, RegistryConsole
@@ -61,7 +62,7 @@ class Controller:
         spec = self.state.spec
         self.plan = spec.plan
         self.console = RegistryConsole(spec.model_name, spec.tracking_uri)
-        self.gateway = GatewayAdmin(spec.gateway_url, read_secret(spec.admin_key_file))
+        self.gateway = GatewayGroup(spec.gateways, read_secret(spec.admin_key_file))
         self.run = RolloutRun(spec.tracking_uri, self.state.mlflow_run_id)
         self.say = say or (lambda line: log.info("%s", line))
         self.judge = PhaseJudge(self.plan, self.gateway, self.console, self.say)

@@ -45,6 +45,15 @@ class GatewayAdmin:
         return self._request("PUT", "/admin/routing", "changing the routing", json=patch,
                              headers={"x-lifecycle-actor": actor})
 
+    def register_replica(self, name: str, url: str, actor: str) -> dict[str, Any]:
+        """Tell the gateway where a named replica answers now (routed there wherever its old address was)."""
+        return self._request("PUT", f"/admin/replicas/{name}", "registering a replica", json={"url": url},
+                             headers={"x-lifecycle-actor": actor})
+
+    def forget_replica(self, name: str, actor: str) -> dict[str, Any]:
+        return self._request("DELETE", f"/admin/replicas/{name}", "forgetting a replica",
+                             headers={"x-lifecycle-actor": actor})
+
     def window(self, since: float, until: float | None = None, disagreements: int = 10) -> dict[str, Any]:
         params: dict[str, Any] = {"since": since, "disagreements": disagreements}
         if until is not None:

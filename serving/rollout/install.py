@@ -5,10 +5,11 @@ recorded like any rollout: an MLflow run in ``rollouts`` with the alias moves as
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import httpx
 
-from serving.rollout.gateway_client import GatewayAdmin
+from serving.rollout.gateway_group import GatewayGroup
 from serving.rollout.registry_console import RegistryConsole
 from serving.rollout.state import RolloutError
 from serving.rollout.tracking import RolloutRun
@@ -35,10 +36,12 @@ def smoke_check(gateway_url: str, admin_key: str, variant: str = "champion", max
 
 
 def install_champion(*, model_name: str, version: str, replica_url: str, served_model: str, gateway_url: str,
-                     admin_key: str, tracking_uri: str, cause: str, actor: str) -> dict:
-    """Route all traffic to ``version`` after a smoke check, move the aliases, and record it."""
+                     admin_key: str, tracking_uri: str, cause: str, actor: str,
+                     other_gateway_urls: Sequence[str] = ()) -> dict:
+    """Route all traffic to ``version`` after a smoke check (through ``gateway_url``), move the aliases, and
+    record it. Every routing change goes to the other gateways in front of the fleet too."""
     console = RegistryConsole(model_name, tracking_uri)
-    gateway = GatewayAdmin(gateway_url, admin_key)
+    gateway = GatewayGroup([gateway_url, *other_gateway_urls], admin_key)
     try:
         previous = console.alias_version("champion")
         routing = gateway.routing()

@@ -16,6 +16,7 @@ from typing import Any
 from serving.rollout import analysis as A
 from serving.rollout.analysis import Analysis
 from serving.rollout.gateway_client import GatewayAdmin
+from serving.rollout.gateway_group import GatewayGroup
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS, Verdict
 from serving.rollout.plan import RolloutPlan
 from serving.rollout.probes import load_probes, run_probes
@@ -24,7 +25,7 @@ from serving.rollout.state import BASELINE, CANARY, SHADOW, RolloutState
 
 
 class PhaseJudge:
-    def __init__(self, plan: RolloutPlan, gateway: GatewayAdmin, console: RegistryConsole,
+    def __init__(self, plan: RolloutPlan, gateway: GatewayAdmin | GatewayGroup, console: RegistryConsole,
                  say: Callable[[str], None]) -> None:
         self.plan = plan
         self.gateway = gateway

@@ -18,6 +18,7 @@ import httpx
 
 from evals.scoring import is_correct, is_format_adherent, is_refusal
 from serving.rollout.gateway_client import GatewayAdmin
+from serving.rollout.gateway_group import GatewayGroup
 from serving.rollout.plan import Probes
 from serving.rollout.state import RolloutError
 
@@ -71,7 +72,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def run_probes(gateway: GatewayAdmin, variant: str, items: list[ProbeItem], spec: Probes) -> ProbeScore:
+def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[ProbeItem], spec: Probes) -> ProbeScore:
     def ask(item: ProbeItem) -> tuple[ProbeItem, str | None, bool]:
         body = {"messages": [{"role": "user", "content": item.prompt}], "temperature": 0,
                 "max_tokens": spec.max_tokens}

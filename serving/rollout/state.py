@@ -52,6 +52,13 @@ class RolloutSpec:
     start: str = SHADOW  # "shadow" (with its noise floor first) or "canary" (skip the shadow phase)
     eval_passed: bool | None = None  # the candidate's offline gates, when known locally
     fleet_dir: str = ""  # a local fleet whose retired replicas the flow stops at the end
+    # more gateways in front of the same replicas: each routing change goes to every one, and a phase is judged
+    # on the requests all of them saw
+    other_gateway_urls: list[str] = field(default_factory=list)
+
+    @property
+    def gateways(self) -> list[str]:
+        return [self.gateway_url, *self.other_gateway_urls]
 
 
 @dataclass
