@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, children: list[Child], logs: Path) -> None:
     """Start the replicas and the traced gateway into ``children``, measure, print the report (and ``--out``)."""
-    env = dict(os.environ) | {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0",  # as LocalFleet._spawn
+    env = dict(os.environ) | {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0",  # as the local backend's spawn
                               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
                               "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("PYTHONPATH", None)
@@ -401,7 +401,7 @@ def run(args: argparse.Namespace, children: list[Child], logs: Path) -> None:
         children.append(replica_server(v, model, ports[v], args, logs, env))
     config = {"host": "127.0.0.1", "port": ports["gateway"], "model_name": SERVED_NAME,
               "state_dir": str(logs / "gateway-state"),
-              "health": {"interval_s": args.health_interval, "eject_after": 2},  # LocalFleet's: 0.5 s
+              "health": {"interval_s": args.health_interval, "eject_after": 2},  # the fleet's: 0.5 s
               "champion": {"replicas": [urls["champion"]], "version": "1", "served_model": SERVED_NAME}}
     code = ("import sys; from benchmarks.gateway_trace import run_traced_gateway; "
             "sys.exit(run_traced_gateway(sys.argv[1], sys.argv[2]))")

@@ -93,12 +93,12 @@ class Calibration:
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
-        from serving.rollout.fleet import LocalFleet
+        from serving.rollout.fleet import Fleet
 
         old = self.work / "fleet"
         if (old / "fleet.json").is_file():  # a calibration stopped hard before: its processes are ours
             with contextlib.suppress(Exception):
-                LocalFleet(old, self.art.model_name, "").stop_all()
+                Fleet(old, self.art.model_name, "").stop_all()
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
         self.registry = Registry(self.work, self.art.model_name)
@@ -109,8 +109,8 @@ class Calibration:
                                    aliases=("champion",))
         finally:
             os.chdir(cwd)
-        self.fleet = LocalFleet(self.work / "fleet", self.art.model_name, self.registry.tracking_uri,
-                                threads=self.args.threads, kv_memory=self.args.kv_memory)
+        self.fleet = Fleet(self.work / "fleet", self.art.model_name, self.registry.tracking_uri,
+                           threads=self.args.threads, kv_memory=self.args.kv_memory)
         self.champion = self.fleet.start_replica(self.art.champion, self.registry.versions["champion"], warmup=4)
         self.fleet.ensure_gateway(champion=self.champion)
 

@@ -66,11 +66,19 @@ class RegistrySection:
 
 @dataclass
 class FleetSection:
-    """The local fleet the pipeline's rollout stage starts (and stops) on 127.0.0.1."""
+    """The fleet the pipeline's rollout stage starts (and stops): a gateway on this machine, and replicas on the
+    backend: ``local`` (processes on 127.0.0.1) or ``ray`` (Ray actors on the cluster at ``ray_address``)."""
 
-    threads: int = 1  # torch threads per replica
+    threads: int = 1  # torch threads per replica (a Ray replica reserves as many CPUs)
     kv_memory: str = "64MiB"
     gateway_port: int = 0  # 0: a free port
+    backend: str = "local"
+    ray_address: str = ""  # empty: $RAY_ADDRESS, else auto (the cluster `ray start` began on this machine)
+    gateways: list[str] = field(default_factory=list)  # other gateways in front of the same replicas (base URLs)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"backend: must be 'local' or 'ray', got {self.backend!r}")
 
 
 @dataclass

@@ -52,10 +52,10 @@ def rollout_flow(rollout_dir: str, max_seconds: float | None = None) -> dict[str
 def _retire(state) -> None:
     if not state.terminal or not state.spec.fleet_dir:
         return
-    from serving.rollout.fleet import LocalFleet
+    from serving.rollout.fleet import Fleet
     from serving.rollout.gateway_client import GatewayAdmin
 
-    fleet = LocalFleet(state.spec.fleet_dir, state.spec.model_name, state.spec.tracking_uri)
+    fleet = Fleet(state.spec.fleet_dir, state.spec.model_name, state.spec.tracking_uri)
     gateway = GatewayAdmin(state.spec.gateway_url, fleet.admin_key())
     try:
         for replica in fleet.retire_unrouted(gateway.routing()):
@@ -106,10 +106,13 @@ def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bun
                 f"--probes {data_dir} --wait")
         console.print(f"[yellow]- rollout[/] manual: {line}", highlight=False)
         return RolloutOutcome(version, "manual", [line])
-    from serving.rollout.fleet import LocalFleet
+    from serving.rollout.fleet import Fleet
 
-    fleet = LocalFleet(fleet_dir, model_name, tracking_uri, gateway_port=section.fleet.gateway_port or None,
-                       threads=section.fleet.threads, kv_memory=section.fleet.kv_memory)
+    f = section.fleet
+    fleet = Fleet(fleet_dir, model_name, tracking_uri, backend=f.backend, ray_address=f.ray_address or None,
+                  gateway_port=f.gateway_port or None, threads=f.threads, kv_memory=f.kv_memory,
+                  other_gateways=f.gateways)
+    fleet.connect()  # a Ray cluster that does not answer ends the stage here, before anything starts
     try:
         lines: list[str] = []
         if champion is None and first_champion is not None and first_champion[0] != version:
@@ -123,7 +126,7 @@ def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bun
         return outcome
     finally:
         fleet.stop_all()
-        console.print("[dim]local fleet stopped[/]", highlight=False)
+        console.print(f"[dim]{fleet.record.backend} fleet stopped[/]", highlight=False)
 
 
 def _install_first(fleet, model_name: str, version: str, bundle: str, tracking_uri: str) -> RolloutOutcome:
@@ -136,7 +139,7 @@ def _install_first(fleet, model_name: str, version: str, bundle: str, tracking_u
     result = install_champion(model_name=model_name, version=version, replica_url=replica.url,
                               served_model=replica.served_model, gateway_url=url, admin_key=fleet.admin_key(),
                               tracking_uri=tracking_uri, cause="first champion: no champion before",
-                              actor="lifecycle pipeline")
+                              actor="lifecycle pipeline", other_gateway_urls=fleet.record.other_gateways)
     line = f"v{version} is champion (first champion, smoke check passed; MLflow run {result['run_id']})"
     console.print(f"[green]✓ rollout[/] {line}", highlight=False)
     return RolloutOutcome(version, "champion-installed", [line], result["run_id"])
@@ -154,7 +157,8 @@ def _roll_out(section: RolloutSection, fleet, model_name: str, version: str, cha
     plan = section.plan
     if not plan.probes.data_dir:
         plan = replace(plan, probes=replace(plan.probes, data_dir=data_dir))
-    console.print(f"[bold cyan]▶ rollout[/] v{version} against champion v{champion}: starting the local fleet",
+    console.print(f"[bold cyan]▶ rollout[/] v{version} against champion v{champion}: starting the "
+                  f"{fleet.record.backend} fleet",
                   highlight=False)
     champion_bundle = resolve_bundle(f"models:/{model_name}/{champion}", resolve_workdir().deployments,
                                      tracking_uri=tracking_uri)
@@ -165,7 +169,7 @@ def _roll_out(section: RolloutSection, fleet, model_name: str, version: str, cha
                        candidate_replicas=[candidate.url], champion_replicas=[champion_replica.url],
                        candidate_served_model=candidate.served_model,
                        champion_served_model=champion_replica.served_model, baseline_replicas=[baseline.url],
-                       gateway_url=url,
+                       gateway_url=url, other_gateway_urls=fleet.record.other_gateways,
                        admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri, plan=plan,
                        eval_passed=eval_passed, fleet_dir=str(fleet.root))
     t = section.traffic

@@ -33,6 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot.add_argument("--model-name", default=None, help="registered model name for a bundle dir "
                           "(default: the manifest's name)")
     snapshot.add_argument("--wait", action="store_true", help="follow the rollout here until it ends or waits")
+    snapshot.add_argument("--backend", choices=("local", "ray"), default=None,
+                          help="where a new fleet's replicas run: local (processes on this machine; the default) or "
+                               "ray (actors on the Ray cluster at --ray-address); an existing fleet keeps its own")
+    snapshot.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                          help="the Ray cluster of --backend ray (default: $RAY_ADDRESS, else auto: the cluster "
+                               "`ray start` began on this machine)")
+    snapshot.add_argument("--gateway", dest="other_gateways", action="append", default=[], metavar="URL",
+                          help="another gateway in front of this fleet (run with `lifecycle gateway` on the fleet's "
+                               "keys.json): every routing change goes to it too, and rollouts read its evidence; "
+                               "repeat for more")
     snapshot.add_argument("--standalone", action="store_true",
                           help="serve this snapshot alone in the foreground on --port (no gateway, no rollout)")
     _common(snapshot)
@@ -57,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "a failed critical gate cannot be waived: use promote)")
         cmd.set_defaults(func=deploy_action, action=action)
 
-    stop = commands.add_parser("stop", help="stop the local fleet (gateway, replicas, controller)")
+    stop = commands.add_parser("stop", help="stop the fleet (gateway, replicas or their Ray actors, controller)")
     _common(stop)
     stop.set_defaults(func=deploy_stop)
     return parser

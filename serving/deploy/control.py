@@ -69,12 +69,13 @@ def follow(directory: Path, poll_s: float = 1.0) -> int:
 
 
 def deploy_action(args: argparse.Namespace) -> int:
-    from serving.rollout.fleet import LocalFleet, pid_alive
+    from serving.rollout.fleet import Fleet
     from serving.rollout.registry_console import RegistryConsole
+    from serving.rollout.replica_backend import pid_alive
     from serving.rollout.state import StateFile
 
     root = fleet_dir(args)
-    record = LocalFleet.read(root)
+    record = Fleet.read(root)
     state = rollout_state(record)
     if state is None or state.terminal:
         raise ServeError(f"{root}: no rollout in progress to {args.action}")
@@ -91,7 +92,7 @@ def deploy_action(args: argparse.Namespace) -> int:
         console.request_waive(spec.candidate_version, waive, actor())  # a waiver resumes a pause by itself
     else:
         console.request_action(spec.candidate_version, args.action, actor())
-    fleet = LocalFleet(root, record.model_name, record.tracking_uri)
+    fleet = Fleet(root, record.model_name, record.tracking_uri)
     if not pid_alive(record.controller_pid):  # the controller died (or was never started): resume it
         fleet.record.controller_pid = spawn_controller(fleet, Path(record.rollout_dir))
         fleet.save()
@@ -113,13 +114,17 @@ def deploy_action(args: argparse.Namespace) -> int:
 
 
 def deploy_stop(args: argparse.Namespace) -> int:
-    from serving.rollout.fleet import LocalFleet
+    from serving.rollout.fleet import Fleet
 
     root = fleet_dir(args)
-    record = LocalFleet.read(root)
-    LocalFleet(root, record.model_name, record.tracking_uri).stop_all()
-    print(f"stopped the fleet in {root}")
-    return 0
+    record = Fleet.read(root)
+    problems = Fleet(root, record.model_name, record.tracking_uri).stop_all()
+    for problem in problems:
+        print(f"not stopped: {problem}", file=sys.stderr)
+    where = f" (and its replicas on the Ray cluster at {record.ray_address})" if record.backend == "ray" else ""
+    print(f"stopped the fleet in {root}{where}" if not problems else f"stopped the rest of the fleet in {root}; "
+          "`deploy stop` again once the cluster answers")
+    return 1 if problems else 0
 
 
 def actor() -> str:

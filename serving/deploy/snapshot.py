@@ -7,6 +7,7 @@ and a rollout run by the controller in the background (``control.py``).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +28,11 @@ def deploy_snapshot(args: argparse.Namespace) -> int:
         raise ServeError(f"{source}: neither a bundle directory nor a models:/ URI")
     if not from_registry and not (Path(source) / "manifest.json").is_file():
         raise ServeError(f"{source}: not a bundle (no manifest.json); `lifecycle serve` serves plain model dirs")
+    ray_address = None if args.dry_run or args.standalone else _ray_address(args)
+    if ray_address is not None:  # a Ray cluster that does not answer is one line, before anything is registered
+        from serving.rollout.ray_backend import DEFAULT_NAMESPACE, connect
+
+        connect(ray_address, DEFAULT_NAMESPACE)
     bundle, model_name, version = _resolve(args, source, tracking_uri)
     manifest = verify_bundle(bundle)
     quant = manifest.quantization.method if manifest.quantization else "none"
@@ -41,6 +47,18 @@ def deploy_snapshot(args: argparse.Namespace) -> int:
 
 def _tracking_uri(args: argparse.Namespace) -> str:
     return resolve_tracking_uri(args.tracking_uri)
+
+
+def _ray_address(args: argparse.Namespace) -> str | None:
+    """The cluster a Ray fleet joins (--ray-address, else the fleet's own, else $RAY_ADDRESS, else auto, as
+    ``Fleet`` chooses it); None for a local fleet."""
+    from serving.rollout.fleet_record import FLEET_FILE, read_record
+
+    recorded = read_record(fleet_dir(args)) if (fleet_dir(args) / FLEET_FILE).is_file() else None
+    backend = args.backend or (recorded.backend if recorded else "local")
+    if backend != "ray":
+        return None
+    return args.ray_address or (recorded.ray_address if recorded else "") or os.environ.get("RAY_ADDRESS") or "auto"
 
 
 def _resolve(args: argparse.Namespace, source: str, tracking_uri: str) -> tuple[Path, str, str | None]:
@@ -96,13 +114,15 @@ def replica_serve_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version: str, tracking_uri: str) -> int:
-    from serving.rollout.fleet import LocalFleet
+    from serving.rollout.fleet import Fleet
     from serving.rollout.registry_console import RegistryConsole
 
     engine_config_from_args(args)  # validates --kv-memory and friends before anything starts
-    fleet = LocalFleet(fleet_dir(args), model_name, tracking_uri, gateway_port=args.gateway_port,
-                       threads=args.threads, kv_memory=args.kv_memory)
+    fleet = Fleet(fleet_dir(args), model_name, tracking_uri, backend=args.backend, ray_address=args.ray_address,
+                  gateway_port=args.gateway_port, threads=args.threads, kv_memory=args.kv_memory,
+                  other_gateways=args.other_gateways)
     _refuse_if_rolling(fleet)
+    fleet.connect()
     flags = replica_serve_flags(args)
     if flags:
         print(f"v{version}'s replica serves with: {' '.join(flags)}", flush=True)
@@ -142,7 +162,8 @@ def _install(fleet, bundle: Path, model_name: str, version: str, champion: str |
              else f"deployed with --as champion over v{champion} (no rollout)")
     result = install_champion(model_name=model_name, version=version, replica_url=replica.url,
                               served_model=replica.served_model, gateway_url=url, admin_key=fleet.admin_key(),
-                              tracking_uri=tracking_uri, cause=cause, actor=actor())
+                              tracking_uri=tracking_uri, cause=cause, actor=actor(),
+                              other_gateway_urls=fleet.record.other_gateways)
     from serving.rollout.gateway_client import GatewayAdmin
 
     gateway = GatewayAdmin(url, fleet.admin_key())
@@ -176,7 +197,8 @@ def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: st
                        candidate_replicas=[candidate.url], champion_replicas=[champion_replica.url],
                        candidate_served_model=candidate.served_model,
                        champion_served_model=champion_replica.served_model, baseline_replicas=[baseline.url],
-                       gateway_url=url, admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri,
+                       gateway_url=url, other_gateway_urls=fleet.record.other_gateways,
+                       admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri,
                        plan=plan, start="canary" if args.role == "canary" else "shadow",
                        eval_passed=_eval_passed(bundle),
                        fleet_dir=str(fleet.root))

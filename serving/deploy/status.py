@@ -12,11 +12,12 @@ from serving.deploy.control import fleet_dir, rollout_state
 
 
 def deploy_status(args: argparse.Namespace) -> int:
-    from serving.rollout.fleet import LocalFleet, pid_alive
+    from serving.rollout.fleet import Fleet
     from serving.rollout.gateway_client import GatewayAdmin
+    from serving.rollout.replica_backend import pid_alive
 
     root = fleet_dir(args)
-    record = LocalFleet.read(root)
+    record = Fleet.read(root)
     routing = None
     if pid_alive(record.gateway_pid):
         gateway = GatewayAdmin(record.gateway_url, (root / "admin.key").read_text().strip())
@@ -28,6 +29,8 @@ def deploy_status(args: argparse.Namespace) -> int:
             gateway.close()
     state = rollout_state(record)
     status = {"model": record.model_name, "gateway": record.gateway_url if routing else None,
+              "other_gateways": record.other_gateways,
+              "backend": record.backend + (f" at {record.ray_address}" if record.backend == "ray" else ""),
               "variants": _variants(routing), "rollout": _rollout_summary(state, pid_alive(record.controller_pid))}
     if args.json:
         print(json.dumps(status, indent=2, default=str))
@@ -79,7 +82,8 @@ def _print_status(status: dict, state) -> None:
     from rich.table import Table
 
     console = Console()
-    table = Table(title=f"{status['model']} behind {status['gateway'] or '(gateway not running)'}")
+    table = Table(title=f"{status['model']} behind {status['gateway'] or '(gateway not running)'}"
+                        + "".join(f", {url}" for url in status["other_gateways"]) + f" ({status['backend']} backend)")
     for column in ("variant", "version", "replicas (healthy)", "traffic"):
         table.add_column(column)
     for row in status["variants"]:

@@ -1,83 +1,44 @@
-"""A fleet on this machine: the gateway and one engine process per snapshot, all on 127.0.0.1.
+"""A fleet: the gateway, and one engine replica per snapshot, on a backend (``local`` or ``ray``).
 
-``deploy`` and the pipeline's rollout stage use it to put snapshots in front of traffic. Everything it
-starts is a detached process with its log under ``<root>/logs``; what runs where is kept in
-``<root>/fleet.json`` (written atomically), so a later ``deploy`` command finds the fleet again. The keys
-live beside it: an admin key for the controller and ``deploy``, and a user key for replayed traffic,
-both in 0600 files; the keys file holds only their hashes.
+``deploy`` and the pipeline's rollout stage use it to put snapshots in front of traffic. The gateway is a
+detached process on this machine with its log under ``<root>/logs``; the replicas run where the backend
+puts them (``replica_backend.py``: processes on 127.0.0.1; ``ray_backend.py``: Ray actors on a cluster).
+What runs where is kept in ``<root>/fleet.json`` (``fleet_record.py``), so a later ``deploy`` command finds
+the fleet again, on the same backend. The keys live beside it: an admin key for the controller, ``deploy``
+and registering replicas, and a user key for replayed traffic, both in 0600 files; the keys file holds only
+their hashes. Gateways run elsewhere in front of the same replicas (``other_gateways``) get every routing
+change the fleet makes.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
+import socket
 import sys
-import time
+import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import yaml
 
-from artifacts.common.atomic import atomic_write_json, atomic_write_text
-from artifacts.common.net import free_port, wait_until_ready
+from artifacts.common.atomic import atomic_write_text
+from artifacts.common.net import free_port
+from serving.rollout.fleet_record import BACKENDS, FleetRecord, ReplicaRecord, read_record, write_record
+from serving.rollout.gateway_group import GatewayGroup
+from serving.rollout.replica_backend import (
+    LocalBackend,
+    ReplicaBackend,
+    ReplicaLaunch,
+    pid_alive,
+    spawn,
+    terminate,
+    wait_for,
+)
 from serving.rollout.state import RolloutError
 
-FLEET_FILE = "fleet.json"
-
-
-@dataclass
-class ReplicaRecord:
-    version: str
-    bundle: str
-    url: str
-    pid: int
-    log: str
-    served_model: str
-    serve_flags: list[str] = field(default_factory=list)  # `lifecycle serve` flags beyond the fleet's own
-    role: str = ""  # "" the version's own replica; "baseline": a fresh copy of the champion judged beside a canary
-
-
-@dataclass
-class FleetRecord:
-    model_name: str
-    tracking_uri: str
-    gateway_url: str = ""
-    gateway_pid: int | None = None
-    replicas: list[ReplicaRecord] = field(default_factory=list)
-    rollout_dir: str | None = None  # the rollout in progress or last run
-    controller_pid: int | None = None
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours is not alive
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return True
-
-
-def wait_for(url: str, timeout: float, proc_pid: int | None = None, log: str | Path | None = None) -> None:
-    """Return once ``url`` answers 200; a process that exits first, or the timeout, raises with its last log line."""
-    alive = None if proc_pid is None else (lambda: pid_alive(proc_pid))
-    if wait_until_ready(url, timeout, alive=alive, interval=0.2) is None:
-        return
-    tail = ""
-    if log and Path(log).is_file():
-        lines = [ln for ln in Path(log).read_text(errors="replace").splitlines() if ln.strip()]
-        tail = f"; last log line: {lines[-1][:300]}" if lines else ""
-    raise RolloutError(f"{url} did not answer in {timeout:.0f} s{tail}")
+FLEET_ACTOR = "fleet"
 
 
 def warm_up(url: str, served_model: str, requests: int) -> None:
@@ -91,9 +52,14 @@ def warm_up(url: str, served_model: str, requests: int) -> None:
             raise RolloutError(f"{url}: the warm-up request failed ({type(exc).__name__})") from None
 
 
-class LocalFleet:
-    def __init__(self, root: str | Path, model_name: str, tracking_uri: str, *, gateway_port: int | None = None,
-                 threads: int | None = 1, kv_memory: str = "128MiB") -> None:
+class Fleet:
+    """``backend``: ``local`` or ``ray`` for a new fleet (None: the record's, else local); an existing fleet
+    keeps its own, and naming another is an error. ``ray_address`` (default ``$RAY_ADDRESS``, else ``auto``)
+    is the cluster a ``ray`` fleet joins."""
+
+    def __init__(self, root: str | Path, model_name: str, tracking_uri: str, *, backend: str | None = None,
+                 ray_address: str | None = None, gateway_port: int | None = None, threads: int | None = 1,
+                 kv_memory: str = "128MiB", other_gateways: Sequence[str] = ()) -> None:
         self.root = Path(root)
         self.model_name = model_name
         self.tracking_uri = tracking_uri
@@ -101,13 +67,12 @@ class LocalFleet:
         self.threads = threads
         self.kv_memory = kv_memory
         self.logs = self.root / "logs"
-        self.record = self._load()
+        self.record = self._load(backend, ray_address)
+        self.record.other_gateways = list(dict.fromkeys([*self.record.other_gateways,
+                                                         *(u.rstrip("/") for u in other_gateways)]))
+        self.backend = self._make_backend()
 
     # ----------------------------------------------------------------- files
-    @property
-    def record_path(self) -> Path:
-        return self.root / FLEET_FILE
-
     @property
     def admin_key_file(self) -> Path:
         return self.root / "admin.key"
@@ -120,31 +85,44 @@ class LocalFleet:
     def rollouts(self) -> Path:
         return self.root / "rollouts"
 
-    def _load(self) -> FleetRecord:
-        if self.record_path.is_file():
-            try:
-                data = json.loads(self.record_path.read_text(encoding="utf-8"))
-                data["replicas"] = [ReplicaRecord(**r) for r in data.get("replicas", [])]
-                record = FleetRecord(**data)
-            except (json.JSONDecodeError, TypeError) as exc:
-                raise RolloutError(f"{self.record_path}: cannot read the fleet record ({exc})") from None
+    @property
+    def gateway_urls(self) -> list[str]:
+        """Every gateway in front of this fleet: its own first, then the others."""
+        return self.record.gateway_urls
+
+    def _load(self, backend: str | None, ray_address: str | None) -> FleetRecord:
+        if backend is not None and backend not in BACKENDS:
+            raise RolloutError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if (self.root / "fleet.json").is_file():
+            record = read_record(self.root)
             if record.model_name != self.model_name:
-                raise RolloutError(f"{self.record_path}: this fleet serves {record.model_name!r}, not "
+                raise RolloutError(f"{self.root}: this fleet serves {record.model_name!r}, not "
                                    f"{self.model_name!r} (use another --fleet directory)")
-            return record
-        return FleetRecord(self.model_name, self.tracking_uri)
+            if backend is not None and backend != record.backend and record.replicas:
+                raise RolloutError(f"{self.root}: this fleet runs on the {record.backend} backend, not {backend} "
+                                   "(`deploy stop` it first, or use another --fleet directory)")
+        else:
+            record = FleetRecord(self.model_name, self.tracking_uri)
+        record.backend = backend or record.backend
+        if record.backend == "ray":
+            record.ray_address = ray_address or record.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+            record.ray_namespace = record.ray_namespace or "llm-lifecycle"
+            record.fleet_id = record.fleet_id or f"{_slug(self.model_name)}-{uuid.uuid4().hex[:6]}"
+        return record
+
+    def _make_backend(self) -> ReplicaBackend:
+        if self.record.backend == "ray":
+            from serving.rollout.ray_backend import RayBackend  # imports Ray: only for a Ray fleet
+
+            return RayBackend(self.record.ray_address, self.record.ray_namespace, self.record.fleet_id, self.logs)
+        return LocalBackend(self.logs)
 
     def save(self) -> None:
-        atomic_write_json(self.record_path, asdict(self.record))
+        write_record(self.root, self.record)
 
     @staticmethod
     def read(root: str | Path) -> FleetRecord:
-        path = Path(root) / FLEET_FILE
-        if not path.is_file():
-            raise RolloutError(f"{root}: no fleet here (start one with `deploy snapshot`)")
-        data = json.loads(path.read_text(encoding="utf-8"))
-        data["replicas"] = [ReplicaRecord(**r) for r in data.get("replicas", [])]
-        return FleetRecord(**data)
+        return read_record(root)
 
     def admin_key(self) -> str:
         return self.admin_key_file.read_text(encoding="utf-8").strip()
@@ -166,18 +144,18 @@ class LocalFleet:
         store.save(keys_file)
         return keys_file
 
-    # ----------------------------------------------------------------- processes
-    def _spawn(self, args: list[str], log_name: str) -> tuple[int, Path]:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        log = self.logs / log_name
-        # the local fleet runs several replicas (and the gateway) on one machine's cores: their OpenMP workers
-        # sleep at once instead of spinning against each other (serving.engine's default spins a little)
-        env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
-        with open(log, "ab") as handle:
-            proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
-        return proc.pid, log
+    def connect(self) -> None:
+        """Check the backend answers (a Ray cluster at its address) before anything starts."""
+        self.backend.connect()
+        if not self.record.gateway_url:  # fixed now: Ray replicas are told where to register before it starts
+            port = self.gateway_port or free_port(self.backend.gateway_host())
+            self.record.gateway_url = f"http://{self.backend.gateway_host()}:{port}"
 
+    def gateways(self) -> GatewayGroup:
+        """Every gateway in front of the fleet, driven as one (close it after use)."""
+        return GatewayGroup(self.gateway_urls, self.admin_key())
+
+    # ----------------------------------------------------------------- the gateway
     def gateway_alive(self) -> bool:
         if not pid_alive(self.record.gateway_pid):
             return False
@@ -188,28 +166,33 @@ class LocalFleet:
 
     def ensure_gateway(self, champion: ReplicaRecord | None = None) -> str:
         """The fleet's gateway URL, starting the gateway if it is not running. A restarted gateway restores
-        its persisted routing; ``champion``, when given, is what this fleet knows serves now, and wins."""
+        its persisted routing; ``champion``, when given, is what this fleet knows serves now, and wins on every
+        gateway. Each gateway learns where the fleet's named (Ray) replicas answer."""
         if not self.gateway_alive():
             self._start_gateway(champion)
-        if champion is not None:
-            self._route_champion(champion)
+        gateways = self.gateways()
+        try:
+            for replica in self.record.replicas:
+                if replica.actor:
+                    gateways.register_replica(replica.actor, replica.url, FLEET_ACTOR)
+            if champion is not None:
+                route = {"champion": {"replicas": [champion.url], "version": champion.version,
+                                      "served_model": champion.served_model}}
+                for gateway in gateways.members:
+                    if gateway.routing()["champion"]["replicas"] != [champion.url]:
+                        gateway.set_routing(route, actor=FLEET_ACTOR)
+        finally:
+            gateways.close()
         return self.record.gateway_url
 
-    def _route_champion(self, champion: ReplicaRecord) -> None:
-        from serving.rollout.gateway_client import GatewayAdmin
-
-        gateway = GatewayAdmin(self.record.gateway_url, self.admin_key())
-        try:
-            if gateway.routing()["champion"]["replicas"] != [champion.url]:
-                gateway.set_routing({"champion": {"replicas": [champion.url], "version": champion.version,
-                                                  "served_model": champion.served_model}}, actor="fleet")
-        finally:
-            gateway.close()
-
     def _start_gateway(self, champion: ReplicaRecord | None) -> None:
+        self.connect()
         keys_file = self._ensure_keys()
-        port = self.gateway_port or free_port()
-        config = {"host": "127.0.0.1", "port": port, "model_name": self.model_name,
+        address = urlsplit(self.record.gateway_url)
+        if not _bindable(address.hostname, address.port):  # the old port was taken meanwhile: a new one
+            self.record.gateway_url = f"http://{address.hostname}:{free_port(address.hostname)}"
+            address = urlsplit(self.record.gateway_url)
+        config = {"host": address.hostname, "port": address.port, "model_name": self.model_name,
                   "state_dir": str(self.root / "gateway"), "keys_file": str(keys_file),
                   "health": {"interval_s": 0.5, "eject_after": 2}}
         if champion is not None:
@@ -220,21 +203,29 @@ class LocalFleet:
             config["tokenizer_file"] = str(tokenizer)
         config_path = self.root / "gateway.yaml"
         atomic_write_text(config_path, yaml.safe_dump(config, sort_keys=False))
-        pid, log = self._spawn([sys.executable, "-m", "serving.gateway.cli", str(config_path)], "gateway.log")
-        url = f"http://127.0.0.1:{port}"
-        wait_for(url + "/health", 60, pid, log)
-        self.record.gateway_url, self.record.gateway_pid = url, pid
+        pid, log = spawn([sys.executable, "-m", "serving.gateway.cli", str(config_path)], self.logs / "gateway.log")
+        self.record.gateway_pid = pid
         self.save()
+        wait_for(self.record.gateway_url + "/health", 60, pid, log)
+
+    # ----------------------------------------------------------------- replicas
+    def _live(self, replica: ReplicaRecord) -> bool:
+        """Whether the replica still exists; its URL is brought up to date (a Ray replica may have moved)."""
+        url = self.backend.locate(replica)
+        if url is not None:
+            replica.url = url
+        return url is not None
 
     def replica(self, version: str, role: str = "") -> ReplicaRecord | None:
         for replica in self.record.replicas:
-            if replica.version == str(version) and replica.role == role and pid_alive(replica.pid):
+            if replica.version == str(version) and replica.role == role and self._live(replica):
+                self.save()
                 return replica
         return None
 
     def start_replica(self, bundle: str | Path, version: str, timeout: float = 600,
                       serve_flags: Sequence[str] = (), role: str = "", warmup: int = 0) -> ReplicaRecord:
-        """Serve a verified bundle on a free port (reusing a live replica of the same version and role).
+        """Serve a verified bundle (reusing a live replica of the same version and role).
 
         ``serve_flags``: more `lifecycle serve` flags for this replica (speculative decoding, step budget...);
         the fleet sets the port, name, KV memory, threads and log level itself. ``warmup`` short requests are
@@ -243,21 +234,23 @@ class LocalFleet:
         existing = self.replica(version, role)
         if existing is not None:
             return existing
-        port = free_port()
+        self.connect()
         served = f"{self.model_name}-v{version}"
-        args = [sys.executable, "-m", "serving.cli", "serve", str(bundle), "--port", str(port),
-                "--served-model-name", served, "--kv-memory", self.kv_memory, "--log-level", "warning"]
+        args = [str(bundle), "--served-model-name", served, "--kv-memory", self.kv_memory, "--log-level", "warning"]
         if self.threads:
             args += ["--threads", str(self.threads)]
         args += serve_flags
-        pid, log = self._spawn(args, f"replica-v{version}{f'-{role}' if role else ''}-{port}.log")
-        url = f"http://127.0.0.1:{port}"
-        record = ReplicaRecord(str(version), str(bundle), url, pid, str(log), served, list(serve_flags), role)
-        self.record.replicas = [r for r in self.record.replicas if pid_alive(r.pid)] + [record]
+        self._ensure_keys()
+        launch = ReplicaLaunch(str(version), str(bundle), role, served, args, list(serve_flags), self.threads,
+                               f"replica-v{version}{f'-{role}' if role else ''}.log", self.gateway_urls,
+                               self.admin_key())
+        self.record.replicas = [r for r in self.record.replicas if self._live(r)]
+        record = self.backend.start(launch)
+        self.record.replicas.append(record)
         self.save()
         try:
-            wait_for(url + "/ready", timeout, pid, log)
-            warm_up(url, served, warmup)
+            self.backend.wait_ready(record, timeout)
+            warm_up(record.url, served, warmup)
         except RolloutError:
             self.stop_replica(record)
             raise
@@ -275,40 +268,64 @@ class LocalFleet:
         return candidate, baseline
 
     def stop_replica(self, replica: ReplicaRecord, grace: float = 10) -> None:
-        _terminate(replica.pid, grace)
-        self.record.replicas = [r for r in self.record.replicas if r.pid != replica.pid]
+        self.backend.stop(replica, grace)
+        self.record.replicas = [r for r in self.record.replicas if _identity(r) != _identity(replica)]
         self.save()
+        if replica.actor and self.gateway_alive():
+            gateways = self.gateways()
+            try:
+                gateways.forget_replica(replica.actor, FLEET_ACTOR)
+            except RolloutError:
+                pass  # a gateway that does not answer keeps a stale name: harmless, it routes by URL
+            finally:
+                gateways.close()
 
     def retire_unrouted(self, routing: dict) -> list[ReplicaRecord]:
         """Stop the replicas no variant routes to any more (a rolled-back candidate, a retired champion)."""
         routed = {url for name in ("champion", "canary", "shadow", "baseline")
                   for url in (routing.get(name) or {}).get("replicas", [])}
+        self.record.replicas = [r for r in self.record.replicas if self._live(r)]
         retired = [r for r in self.record.replicas if r.url not in routed]
         for replica in retired:
             self.stop_replica(replica)
         return retired
 
-    def stop_all(self) -> None:
-        _terminate(self.record.controller_pid, 10)
+    def stop_all(self) -> list[str]:
+        """Stop the controller, every replica and the gateway; returns what could not be stopped (a Ray cluster
+        that no longer answers keeps its actors, and the record keeps them, so a later stop can retry)."""
+        terminate(self.record.controller_pid, 10)
+        problems, kept = [], []
         for replica in list(self.record.replicas):
-            _terminate(replica.pid, 10)
-        _terminate(self.record.gateway_pid, 10)
-        self.record.replicas, self.record.gateway_pid, self.record.controller_pid = [], None, None
+            try:
+                self.backend.stop(replica, 10)
+            except RolloutError as exc:
+                problems.append(f"replica v{replica.version} ({replica.url}): {exc}")
+                kept.append(replica)
+        if not problems:
+            try:
+                self.backend.stop_strays(kept)
+            except RolloutError as exc:
+                problems.append(str(exc))
+        terminate(self.record.gateway_pid, 10)
+        self.record.replicas, self.record.gateway_pid, self.record.controller_pid = kept, None, None
         self.save()
+        return problems
 
 
-def _terminate(pid: int | None, grace: float) -> None:
-    if not pid_alive(pid):
-        return
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and pid_alive(pid):
-        time.sleep(0.1)
-    if pid_alive(pid):
+def _identity(replica: ReplicaRecord) -> tuple:
+    return (replica.actor, replica.pid) if not replica.actor else (replica.actor,)
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether a server could listen there now (as uvicorn binds: with SO_REUSEADDR, past TIME_WAIT)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")[:24] or "fleet"

@@ -17,6 +17,13 @@ import uvicorn
 from artifacts.common.net import free_port, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
+DEPLOY = [sys.executable, "-m", "serving.deploy"]
+
+
+def deploy(*args: str, home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The `deploy` command line as a user runs it, with its own workdir (``LIFECYCLE_HOME``)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"LIFECYCLE_HOME": str(home)}
+    return subprocess.run([*DEPLOY, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def wait_ready(url: str, timeout: float = 180.0, path: str = "/ready") -> None:

@@ -22,16 +22,19 @@ from mlflow import MlflowClient
 
 from serving.rollout.state import StateFile
 from serving.rollout.traffic import TrafficGenerator, TrafficSpec
-from tests.serving.fleet_support import REPO, bearer, engine_thread, free_port, gateway_process, make_keys, wait_ready
+from tests.serving.fleet_support import (
+    REPO,
+    bearer,
+    deploy,
+    engine_thread,
+    free_port,
+    gateway_process,
+    make_keys,
+    wait_ready,
+)
 from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_versions, spec_for
 
-DEPLOY = [sys.executable, "-m", "serving.deploy"]
 pytestmark = pytest.mark.slow
-
-
-def deploy(*args: str, home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"LIFECYCLE_HOME": str(home)}
-    return subprocess.run([*DEPLOY, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def _plan_file(tmp: Path, **overrides) -> Path:
