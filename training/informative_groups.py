@@ -15,17 +15,25 @@ from __future__ import annotations
 
 from typing import Any
 
-# Advantages are (reward - group mean) / (group std + 1e-4); equal rewards give 0 up to float rounding.
-ZERO_ADVANTAGE = 1e-6
+# Advantages are (reward - group mean) / (group std + 1e-4). Equal rewards do not give 0: the float32 mean of
+# eight rewards of 1.2 differs from 1.2 by ~1e-7, which the 1e-4 floor turns into the same +1.2e-3 for every
+# reply (TRL's own `frac_reward_zero_std` then counts no such group). What equal rewards do give is equal
+# advantages, so a group carries signal only when its advantages differ.
+NO_SPREAD = 1e-6
+
+
+def informative_groups(advantages: Any, group_size: int) -> Any:
+    """One boolean per group: whether its replies' advantages differ (TRL lays out each prompt's `group_size`
+    replies as consecutive rows)."""
+    grouped = advantages.detach().reshape(-1, group_size)
+    return (grouped.amax(dim=1) - grouped.amin(dim=1)) > NO_SPREAD
 
 
 def informative_rows(advantages: Any, group_size: int) -> Any:
-    """A boolean mask over the batch's rows: True for every reply of a group with a non-zero advantage.
-
-    TRL lays out each prompt's `group_size` replies as consecutive rows. When no group is informative the
-    first one is kept, so the step still has a (zero-loss) batch to run and the trainer's bookkeeping holds.
-    """
-    groups = advantages.detach().reshape(-1, group_size).abs().amax(dim=1) > ZERO_ADVANTAGE
+    """A boolean mask over the batch's rows: True for every reply of an informative group. When no group is
+    informative the first one is kept, so the step still has a batch to run and the trainer's bookkeeping
+    holds; its equal, near-zero advantages make that step negligible."""
+    groups = informative_groups(advantages, group_size).clone()
     if not bool(groups.any()):
         groups[0] = True
     return groups.repeat_interleave(group_size)
@@ -56,14 +64,11 @@ def informative_groups_trainer(base: type) -> type:
             batch = super()._generate_and_score_completions(inputs)
             if not self.model.training:
                 return batch
-            keep = informative_rows(batch["advantages"], self.num_generations)
-            kept = select_rows(batch, keep)
+            groups = informative_groups(batch["advantages"], self.num_generations)
+            self._metrics["train"]["informative_group_fraction"].append(groups.float().mean().item())
+            kept = select_rows(batch, informative_rows(batch["advantages"], self.num_generations))
             mask = kept["completion_mask"] if "tool_mask" not in kept else kept["completion_mask"] * kept["tool_mask"]
             kept["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
-            groups = batch["advantages"].numel() // self.num_generations
-            trained = int(keep.sum()) // self.num_generations
-            informative = trained if bool(batch["advantages"].abs().amax() > ZERO_ADVANTAGE) else 0
-            self._metrics["train"]["informative_group_fraction"].append(informative / max(1, groups))
             return kept
 
     return InformativeGroupsGRPOTrainer
