@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from serving.engine.attention import AttentionMetadata, DecodeGroup, bucket_by_length, paged_attention
+from tests.serving.attention_support import decode_case
 
 
 def test_bucket_by_length_partitions_sorted():
@@ -28,22 +29,10 @@ def test_bucket_by_length_edge_cases():
 
 
 def test_grouped_decode_matches_reference():
-    torch.manual_seed(0)
-    bs, kvh, h, d, nb = 4, 2, 4, 8, 64
-    kc = [torch.randn(nb, bs, kvh, d)]
-    vc = [torch.randn(nb, bs, kvh, d)]
+    bs, kvh, h, d = 4, 2, 4, 8
     lens = [3, 17, 9, 30, 1]
-    perm = torch.randperm(nb).tolist()
-    tables, i = [], 0
-    for n in lens:
-        k = -(-n // bs)
-        tables.append(perm[i:i + k])
-        i += k
-    b = len(lens)
-    q = torch.randn(b, h, d)
-    k_new = torch.randn(b, kvh, d)
-    v_new = torch.randn(b, kvh, d)
-    slots = torch.tensor([tables[j][(lens[j] - 1) // bs] * bs + (lens[j] - 1) % bs for j in range(b)])
+    k_cache, v_cache, tables, q, k_new, v_new, slots = decode_case(h, kvh, d, lens, bs, num_blocks=64)
+    kc, vc, b = [k_cache], [v_cache], len(lens)
     meta = AttentionMetadata(kc, vc, slots, num_decode=b, block_size=bs)
     for rows in bucket_by_length(lens, bs, group_cost=0):
         nblk = -(-max(lens[r] for r in rows) // bs)

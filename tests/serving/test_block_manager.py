@@ -20,6 +20,14 @@ def run_prefill(bm: BlockManager, s: Sequence) -> None:
     bm.commit_full_blocks(s)
 
 
+def tokens_from_cache(bm: BlockManager, first: list[int], second: list[int], **params) -> int:
+    """Prefill ``first``, then admit ``second``: how many of its tokens the prefix cache supplies."""
+    run_prefill(bm, seq("a", first))
+    b = seq("b", second, **params)
+    bm.admit(b)
+    return b.num_computed_tokens
+
+
 def test_allocation_and_free_return_every_block():
     bm = BlockManager(num_blocks=8, block_size=4)
     s = seq("a", range(10))
@@ -71,34 +79,20 @@ def test_freed_blocks_keep_their_hash_until_reused():
 
 def test_chain_hash_depends_on_the_whole_prefix():
     bm = BlockManager(num_blocks=16, block_size=4)
-    a = seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    run_prefill(bm, a)
-    b = seq("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])  # same second block, different first block
-    bm.admit(b)
-    assert b.num_computed_tokens == 0
+    # same second block, different first block
+    assert tokens_from_cache(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 9, 9, 9, 5, 6, 7, 8, 9]) == 0
 
 
 def test_full_prompt_hit_still_leaves_one_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = seq("a", range(8))
-    run_prefill(bm, a)
-    b = seq("b", range(8))
-    bm.admit(b)
-    assert b.num_computed_tokens == 4  # the last block is recomputed so the model yields logits
+    assert tokens_from_cache(bm, range(8), range(8)) == 4  # the last block is recomputed so the model yields logits
 
 
 def test_prefix_caching_off_and_prompt_logprobs_skip_the_cache():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    a = seq("a", range(9))
-    run_prefill(bm, a)
-    b = seq("b", range(9))
-    bm.admit(b)
-    assert b.num_computed_tokens == 0 and bm.prefix_cache_queries == 0
+    assert tokens_from_cache(bm, range(9), range(9)) == 0 and bm.prefix_cache_queries == 0
     bm2 = BlockManager(num_blocks=8, block_size=4)
-    run_prefill(bm2, seq("a", range(9)))
-    c = seq("c", range(9), prompt_logprobs=0)
-    bm2.admit(c)
-    assert c.num_computed_tokens == 0
+    assert tokens_from_cache(bm2, range(9), range(9), prompt_logprobs=0) == 0
 
 
 def test_reused_block_drops_its_stale_hash():

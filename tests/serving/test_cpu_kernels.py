@@ -11,26 +11,11 @@ import torch
 
 from serving.engine import EngineConfig, LLMEngine, SamplingParams, cpp_build, cpu_kernels
 from serving.engine.attention import AttentionMetadata, DecodeGroup, bucket_by_length, paged_attention
+from tests.serving.attention_support import decode_case
 
 kernels = cpu_kernels.load()
 kernel = kernels.paged_decode if kernels is not None else None
 needs_kernel = pytest.mark.skipif(kernels is None, reason="CPU kernels did not build (no C++ compiler?)")
-
-
-def _case(heads: int, kv_heads: int, d: int, lens: list[int], bs: int = 16, seed: int = 0):
-    torch.manual_seed(seed)
-    nb = sum(-(-n // bs) for n in lens) + 3
-    kc, vc = torch.randn(nb, bs, kv_heads, d), torch.randn(nb, bs, kv_heads, d)
-    perm = torch.randperm(nb).tolist()
-    tables, i = [], 0
-    for n in lens:
-        k = -(-n // bs)
-        tables.append(perm[i:i + k])
-        i += k
-    b = len(lens)
-    q, k_new, v_new = torch.randn(b, heads, d), torch.randn(b, kv_heads, d), torch.randn(b, kv_heads, d)
-    slots = torch.tensor([tables[j][(lens[j] - 1) // bs] * bs + (lens[j] - 1) % bs for j in range(b)])
-    return kc, vc, tables, q, k_new, v_new, slots
 
 
 def _torch_meta(kc, vc, tables, lens, slots, bs):
@@ -58,7 +43,7 @@ def test_kernel_matches_torch_decode_path(heads, kv_heads, d):
     rng = random.Random(heads * d)
     lens = [1, 2, 15, 16, 17] + [rng.randint(1, 300) for _ in range(11)]
     bs = 16
-    kc, vc, tables, q, k_new, v_new, slots = _case(heads, kv_heads, d, lens, bs)
+    kc, vc, tables, q, k_new, v_new, slots = decode_case(heads, kv_heads, d, lens, bs)
     ref = paged_attention(q, k_new, v_new, 0, _torch_meta(kc.clone(), vc.clone(), tables, lens, slots, bs), None)
     out = paged_attention(q, k_new, v_new, 0, _kernel_meta(kc, vc, tables, lens, slots, bs), None)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
@@ -68,7 +53,7 @@ def test_kernel_matches_torch_decode_path(heads, kv_heads, d):
 def test_kernel_ignores_masked_extremes():
     """Huge scores on one token must not overflow, tiny ones underflow to weight 0 exactly like softmax."""
     bs, lens = 4, [9, 3]
-    kc, vc, tables, q, k_new, v_new, slots = _case(4, 2, 64, lens, bs)
+    kc, vc, tables, q, k_new, v_new, slots = decode_case(4, 2, 64, lens, bs)
     kc.mul_(30)
     ref = paged_attention(q, k_new, v_new, 0, _torch_meta(kc.clone(), vc.clone(), tables, lens, slots, bs), None)
     out = paged_attention(q, k_new, v_new, 0, _kernel_meta(kc, vc, tables, lens, slots, bs), None)
