@@ -1,10 +1,11 @@
-"""Compile one of the engine's C++ extensions (``serving/engine/csrc/*.cpp``) for this CPU, or say it cannot be.
+"""Compile one of the engine's C++ extensions (``serving/engine/csrc/``) for this CPU, or say it cannot be.
 
-``build`` runs ``torch.utils.cpp_extension.load`` on the file (cached under ``~/.cache/torch_extensions``, about
-30 s the first time; flags include ``-march=native``) when a C++ compiler is present. The extension's name, and
-so its cache directory, carries a hash of this CPU's feature flags and of the source: a cache shared between
-hosts never hands one host's binary to another, and a changed .cpp builds afresh. ``build`` returns None, and
-the caller keeps its torch path, when there is no compiler, the build fails, or ``LLM_LIFECYCLE_CPU_KERNELS=0``.
+``build`` runs ``torch.utils.cpp_extension.load`` on the extension's .cpp files (cached under
+``~/.cache/torch_extensions``, about 30 s the first time; flags include ``-march=native``) when a C++ compiler is
+present. The extension's name, and so its cache directory, carries a hash of this CPU's feature flags and of
+every file of the extension, its headers included: a cache shared between hosts never hands one host's binary
+to another, and a changed .cpp or .h builds afresh. ``build`` returns None, and the caller keeps its torch
+path, when a file is missing, there is no compiler, the build fails, or ``LLM_LIFECYCLE_CPU_KERNELS=0``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import platform
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -33,24 +35,33 @@ def _cpu_flags() -> str:
     return flags or platform.processor() or platform.machine()
 
 
-def build_tag(source: Path) -> str:
-    """Short hash of this CPU's flags and the source's bytes: the build cache key besides the extension's name."""
-    return hashlib.sha1(_cpu_flags().encode() + b"\0" + source.read_bytes()).hexdigest()[:10]
+def build_tag(files: Sequence[Path]) -> str:
+    """Short hash of this CPU's flags and each file's name and bytes: the build cache key besides the extension's
+    name."""
+    digest = hashlib.sha1(_cpu_flags().encode())
+    for f in files:
+        digest.update(b"\0" + f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:10]
 
 
-def build(name: str, source: Path) -> ModuleType | None:
-    """Compile ``source`` for this CPU (cached per CPU-flag set and source), or None when it cannot be built here:
-    no compiler, a failed build, or ``LLM_LIFECYCLE_CPU_KERNELS=0``. Callers keep their torch path on None."""
+def build(name: str, files: Sequence[Path]) -> ModuleType | None:
+    """Compile the extension made of ``files`` (its .cpp sources, which are compiled, and the headers they
+    include) for this CPU, cached per CPU-flag set and file contents; or None when it cannot be built here: a
+    file is missing, no compiler, a failed build, or ``LLM_LIFECYCLE_CPU_KERNELS=0``. Callers keep their torch
+    path on None."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         log.info("CPU kernels (%s) disabled by %s=0", name, ENV_SWITCH)
         return None
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         log.info("no C++ compiler: %s unavailable, torch ops are used", name)
         return None
-    if not source.is_file():
-        log.warning("CPU kernels %s: %s is missing (an install without package data?); torch ops are used", name,
-                    source)
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        log.warning("CPU kernels %s: %s missing (an install without package data?); torch ops are used", name,
+                    ", ".join(missing))
         return None
+    sources = [str(f) for f in files if f.suffix == ".cpp"]
+    tag = build_tag(files)
     from torch.utils.cpp_extension import load
 
     # -fopenmp: at::parallel_for splits work over threads only when the extension itself is built with OpenMP
@@ -60,7 +71,7 @@ def build(name: str, source: Path) -> ModuleType | None:
     attempts = [("", ["-fopenmp"], ["-fopenmp"]), ("_serial", ["-fopenmp-simd"], [])]
     for suffix, cflags, ldflags in attempts:
         try:
-            module = load(f"{name}_{build_tag(source)}{suffix}", sources=[str(source)],
+            module = load(f"{name}_{tag}{suffix}", sources=sources,
                           extra_cflags=["-O3", "-march=native", *cflags], extra_ldflags=ldflags)
         except Exception as e:  # any build or load failure: try the next flags, then the torch path
             log.warning("CPU kernels %s did not build with %s (%s: %s)", name, " ".join(cflags),

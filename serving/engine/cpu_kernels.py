@@ -27,7 +27,9 @@ reproduces the step timings): the whole decode step at 64 sequences with context
 (30.3 ms with the attention kernel alone), 4.4 to 3.7 ms at one sequence; residual add + RMSNorm at hidden 512
 from 36-60 to 5 µs at 64 rows; rotary of q and k per layer from 57 to 5.4 µs at 64 rows.
 
-All of them split rows (sequences) over threads with ``at::parallel_for``. The C++ is ``csrc/cpu_kernels.cpp``,
+All of them split rows (sequences) over threads with ``at::parallel_for``. The C++ is in ``csrc/``:
+``paged_decode.cpp``, ``paged_prefill.cpp``, ``elementwise.cpp`` (add_rms_norm, silu_mul, rope), the shared
+16-lane helpers in ``vec16.h``, and ``cpu_kernels.cpp`` binding the functions ``cpu_kernels.h`` declares; all
 compiled by ``cpp_build.build`` when a C++ compiler is present. ``load()`` returns None, and the engine keeps
 the torch ops, when there is no compiler, the build fails, or ``LLM_LIFECYCLE_CPU_KERNELS=0``.
 """
@@ -45,6 +47,10 @@ __all__ = ["ENV_SWITCH", "PREFILL_HEAD_DIMS", "load", "supported"]
 
 PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # head sizes paged_prefill is compiled for (block size 16)
 
+# the extension's files: the .cpp sources are compiled, and every file's bytes go into the build cache key
+FILES = tuple(cpp_build.CSRC / f for f in ("paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp",
+                                            "cpu_kernels.cpp", "cpu_kernels.h", "vec16.h"))
+
 _kernels: ModuleType | None = None
 _tried = False
 
@@ -57,7 +63,7 @@ def load() -> ModuleType | None:
     global _kernels, _tried
     if not _tried:
         _tried = True
-        _kernels = cpp_build.build("llm_lifecycle_cpu_kernels", cpp_build.CSRC / "cpu_kernels.cpp")
+        _kernels = cpp_build.build("llm_lifecycle_cpu_kernels", FILES)
     return _kernels
 
 

@@ -1,24 +1,59 @@
-"""Building the C++ extensions (serving/engine/cpp_build.py): the build cache is keyed by the source, so a changed
-.cpp builds afresh, and a source that is not there leaves the torch path instead of failing."""
+"""Building the C++ extensions (serving/engine/cpp_build.py): the build cache is keyed by every file of the
+extension, headers included, so a changed .cpp or .h builds afresh, and a file that is not there leaves the torch
+path instead of failing."""
 
 from __future__ import annotations
 
-from serving.engine import cpp_build
+import pytest
+import torch.utils.cpp_extension
+
+from serving.engine import cpp_build, cpu_kernels
 
 
 def test_the_cache_key_follows_the_source(tmp_path):
-    a, b, c = tmp_path / "a.cpp", tmp_path / "b.cpp", tmp_path / "c.cpp"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b, c = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp", tmp_path / "c.cpp"
     a.write_text("int f() { return 1; }\n")
     b.write_text("int f() { return 1; }\n")
     c.write_text("int f() { return 2; }\n")
-    assert cpp_build.build_tag(a) == cpp_build.build_tag(b) != cpp_build.build_tag(c)
+    assert cpp_build.build_tag([a]) == cpp_build.build_tag([b]) != cpp_build.build_tag([c])
 
 
-def test_every_extension_source_ships_in_csrc():
-    assert {p.name for p in cpp_build.CSRC.glob("*.cpp")} >= {"cpu_kernels.cpp", "int4_linear.cpp"}
+def test_the_cache_key_follows_every_file_headers_included(tmp_path):
+    src, other, header = tmp_path / "k.cpp", tmp_path / "m.cpp", tmp_path / "k.h"
+    src.write_text('#include "k.h"\nint f() { return g(); }\n')
+    other.write_text("int h() { return 3; }\n")
+    header.write_text("inline int g() { return 1; }\n")
+    files = [src, other, header]
+    tag = cpp_build.build_tag(files)
+    header.write_text("inline int g() { return 2; }\n")
+    assert cpp_build.build_tag(files) != tag
+    header.write_text("inline int g() { return 1; }\n")
+    assert cpp_build.build_tag(files) == tag
+    other.write_text("int h() { return 4; }\n")
+    assert cpp_build.build_tag(files) != tag
 
 
-def test_a_missing_source_means_torch_path(monkeypatch, tmp_path):
+def test_every_extension_file_ships_in_csrc():
+    """Every .cpp and .h in csrc belongs to an extension's file list, so it is hashed into the cache key."""
+    int4 = cpp_build.CSRC / "int4_linear.cpp"
+    assert all(f.is_file() for f in (*cpu_kernels.FILES, int4))
+    assert {f.suffix for f in cpu_kernels.FILES} == {".cpp", ".h"}
+    assert {*cpp_build.CSRC.glob("*.cpp"), *cpp_build.CSRC.glob("*.h")} == {*cpu_kernels.FILES, int4}
+
+
+@pytest.mark.parametrize("missing", ["missing.cpp", "missing.h"])
+def test_a_missing_file_means_torch_path(monkeypatch, tmp_path, missing):
     monkeypatch.delenv(cpp_build.ENV_SWITCH, raising=False)
     monkeypatch.setattr(cpp_build.shutil, "which", lambda name: "/usr/bin/c++")
-    assert cpp_build.build("llm_lifecycle_missing", tmp_path / "missing.cpp") is None
+    builds = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda name, sources, **flags: builds.append(sources) or object())
+    present, header = tmp_path / "k.cpp", tmp_path / "k.h"
+    present.write_text('#include "k.h"\nint f() { return g(); }\n')
+    header.write_text("inline int g() { return 1; }\n")
+    assert cpp_build.build("llm_lifecycle_missing", [present, header, tmp_path / missing]) is None
+    assert builds == []  # nothing compiled
+    assert cpp_build.build("llm_lifecycle_present", [present, header]) is not None
+    assert builds == [[str(present)]]  # the .cpp files are compiled, the headers only hashed

@@ -1,0 +1,15 @@
+// CPU kernels of the engine's fp32 path (built by serving/engine/cpu_kernels.py, whose docstring describes
+// them): paged_decode (paged_decode.cpp), paged_prefill (paged_prefill.cpp), and add_rms_norm, silu_mul and
+// rope (elementwise.cpp); cpu_kernels.cpp binds them to Python. Shapes are in the comments at each definition.
+#pragma once
+#include <torch/types.h>
+
+void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                  torch::Tensor context_lens, double scale, torch::Tensor out);
+void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                   torch::Tensor row_starts, torch::Tensor first_pos, double scale, torch::Tensor out);
+void add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
+                  torch::Tensor out);
+void silu_mul(torch::Tensor gu, torch::Tensor out);
+void rope(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t nq,
+          int64_t nk, torch::Tensor q_out, torch::Tensor k_out);
