@@ -46,7 +46,7 @@ def score(model_dir: Path, data_dir: Path, k: int, max_new_tokens: int) -> dict[
     return metrics_dict(run_evals(model_dir, data_dir, config))
 
 
-def _override(text: str) -> tuple[str, object]:
+def override(text: str) -> tuple[str, object]:
     """``key=value``; numbers as numbers (YAML reads ``1e-3`` as a string), anything else as YAML."""
     key, sep, value = text.partition("=")
     if not sep:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="label=model_dir of an earlier stage to beat (repeatable), e.g. sft=RUN/sft-KEY/stage")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--k", type=int, default=8, help="sampled replies per held-out prompt")
-    parser.add_argument("--set", type=_override, action="append", default=[], dest="overrides",
+    parser.add_argument("--set", type=override, action="append", default=[], dest="overrides",
                         help="key=value override of the recipe's GRPO section (repeatable)")
     args = parser.parse_args(argv)
     try:
