@@ -140,7 +140,7 @@ def eval_stage(ctx: PipelineContext, label: str, model: StageOutput, data: Stage
 
 def training_stage(ctx: PipelineContext, name: str, previous: StageOutput, data: StageOutput) -> StageOutput:
     config = getattr(ctx.recipe.training, name)
-    key = stage_key(name, config, previous.key, data.key)
+    key = stage_key(name, config.recipe(), previous.key, data.key)  # `distributed` moves the work, not its result
 
     def train(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
         from training import dpo, grpo, sft

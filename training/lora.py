@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from training.hardware import Hardware, TrainingError, check_4bit_support
+from training.ranks import cuda_device_index
 from training.stage_config import LoraSettings
 
 
@@ -69,7 +70,8 @@ def load_base_model(model_dir: Path, settings: LoraSettings, hw: Hardware, train
             bnb_4bit_compute_dtype=hw.dtype,
             bnb_4bit_use_double_quant=True,
         )
-        kwargs["device_map"] = {"": hw.device if hw.device == "cpu" else 0}
+        # the 4-bit weights live on this process's device: cuda:{local_rank} in a distributed stage
+        kwargs["device_map"] = {"": hw.device if hw.device == "cpu" else cuda_device_index()}
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     if not trainable:
         model.eval()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from artifacts.errors import LifecycleError
+from training.distributed_config import DistributedSettings, distributed_settings
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -72,10 +73,14 @@ class _StageBase:
     # the skill and when; 0 turns it off. A stage whose data dir has no held-out tasks trains without it.
     heldout_curve_prompts: int = 64
     heldout_curve_every: int = 50
+    # How many processes train the stage (training.distributed_config): a compute choice, like threads, so it
+    # is not part of `recipe()`; `batch_size` stays the global batch, split across the processes.
+    distributed: DistributedSettings = field(default_factory=DistributedSettings)
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):  # tolerate a plain mapping from YAML for the nested section
             self.lora = LoraSettings(**self.lora)
+        self.distributed = distributed_settings(self.distributed)
         if self.max_steps <= 0 and not self.epochs:
             raise ValueError("max_steps: must be > 0 unless epochs is set")
         _check_positive(self, "learning_rate", "batch_size", "grad_accum", "max_seq_len", "save_steps",
@@ -86,9 +91,20 @@ class _StageBase:
             raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
         if self.lr_scheduler not in {"linear", "cosine", "constant", "constant_with_warmup"}:
             raise ValueError(f"lr_scheduler: unknown schedule {self.lr_scheduler!r}")
+        share = self.distributed.per_process(self.batch_size)
+        group = getattr(self, "num_generations", None)  # GRPO: each process samples and scores whole groups
+        if group and share % group:
+            raise ValueError(f"distributed.num_processes: each of {self.distributed.num_processes} processes gets "
+                             f"{share} of batch_size {self.batch_size} completions, not a multiple of "
+                             f"num_generations ({group}); each process samples whole groups")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def recipe(self) -> dict[str, Any]:
+        """Everything that decides the trained weights (the stage's fingerprint and cache key): `distributed`
+        changes where and how fast it trains, not what, so moving a recipe to more processes keeps its cache."""
+        return {k: v for k, v in self.to_dict().items() if k != "distributed"}
 
 
 @dataclass

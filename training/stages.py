@@ -3,10 +3,15 @@
 check data → skip if finished → load model + adapters (all checks before any training) → build the TRL trainer
 → train, resuming from the newest checkpoint → save adapter → merge into a full HF dir → log to MLflow → write
 the completion marker last. sft.py, dpo.py and grpo.py only say what differs: data columns and the trainer.
+
+With `distributed.num_processes` > 1 the caller's process checks and skips as above, then launches the workers
+(training.launcher); each runs this same recipe as its rank (training.ranks), the Trainer trains under DDP or
+FSDP, and rank 0 alone saves, merges, logs and writes the marker.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -19,7 +24,7 @@ from typing import Any, Optional
 
 from artifacts.common.atomic import atomic_write_json, staged_directory
 from artifacts.common.mlflow_batch import log_batch
-from artifacts.digests import sha256_file
+from artifacts.digests import digest_json, sha256_file
 from artifacts.jsonl import iter_jsonl
 from training.checkpoints import (
     CHECKPOINTS_DIR,
@@ -32,12 +37,14 @@ from training.checkpoints import (
 )
 from training.hardware import Hardware, TrainingError, configure_threads, detect_hardware, trainer_hardware_kwargs
 from training.heldout_curve import attach_heldout_curve, curve_summary
+from training.ranks import is_main_process, is_worker
 from training.stage_config import StageResult
 
 log = logging.getLogger(__name__)
 
 RESULT_NAME = "stage_result.json"
 LOG_NAME = "train_log.json"
+WORKER_LOGS_DIR = "workers"  # a distributed stage's job file, the logs of ranks > 0 and their errors
 
 
 @dataclass
@@ -126,7 +133,7 @@ def _common_args(config: Any, hw: Hardware, checkpoints_dir: Path) -> dict[str, 
         "lr_scheduler_type": config.lr_scheduler,
         "warmup_steps": config.warmup_ratio,
         "weight_decay": config.weight_decay,
-        "per_device_train_batch_size": config.batch_size,
+        "per_device_train_batch_size": config.distributed.per_process(config.batch_size),  # the global batch, split
         "gradient_accumulation_steps": config.grad_accum,
         "max_steps": config.max_steps if config.max_steps > 0 else -1,
         "num_train_epochs": config.epochs or 1.0,
@@ -142,6 +149,11 @@ def _common_args(config: Any, hw: Hardware, checkpoints_dir: Path) -> dict[str, 
         "disable_tqdm": False,
     }
     args.update(trainer_hardware_kwargs(hw))
+    if config.distributed.enabled:
+        args["ddp_find_unused_parameters"] = False  # every adapter weight takes part in every step
+        if config.distributed.strategy == "fsdp":  # FSDP2 through accelerate's plugin, one unit per decoder layer
+            args.update(fsdp=True, fsdp_config={"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                                "state_dict_type": "FULL_STATE_DICT"})
     return args
 
 
@@ -199,14 +211,26 @@ def _metrics_from_history(history: list[dict[str, Any]], train_output: Any) -> d
     return metrics
 
 
-def _log_mlflow(spec: StageSpec, config: Any, result: StageResult, data_digests: dict[str, str],
-                artifacts: list[Path]) -> None:
-    """Log into the active MLflow run (the flow's nested stage run); nothing when no run is active."""
+def _mlflow_run_id() -> str | None:
+    """The run to log into: the active one (the flow's nested stage run), or in a distributed worker the
+    caller's, by id (MLflow's own `MLFLOW_RUN_ID`, set by the launcher); None: log nothing."""
+    import os
+
     import mlflow
-    from mlflow.tracking import MlflowClient
 
     run = mlflow.active_run()
-    if run is None:
+    if run is not None:
+        return run.info.run_id
+    return os.environ.get("MLFLOW_RUN_ID") if is_worker() else None
+
+
+def _log_mlflow(spec: StageSpec, config: Any, result: StageResult, data_digests: dict[str, str],
+                artifacts: list[Path]) -> None:
+    """Log into the stage's MLflow run (`_mlflow_run_id`); nothing when there is none."""
+    from mlflow.tracking import MlflowClient
+
+    run_id = _mlflow_run_id()
+    if run_id is None:
         return
     params = {f"{spec.name}.{k}": v for k, v in _flatten(config.to_dict()).items()}
     params.update({f"data.{name}.sha256": digest for name, digest in data_digests.items()})
@@ -218,12 +242,12 @@ def _log_mlflow(spec: StageSpec, config: Any, result: StageResult, data_digests:
              for key, value in row.items() if key not in {"step", "epoch"} and isinstance(value, int | float)]
     curve += [(key, value, 0) for key, value in result.metrics.items()]
     client = MlflowClient()
-    log_batch(run.info.run_id, metrics=curve, params=params, client=client)
-    client.set_tag(run.info.run_id, "training.stage", spec.name)
-    client.set_tag(run.info.run_id, "training.output_dir", str(result.output_dir))
+    log_batch(run_id, metrics=curve, params=params, client=client)
+    client.set_tag(run_id, "training.stage", spec.name)
+    client.set_tag(run_id, "training.output_dir", str(result.output_dir))
     for path in artifacts:
         if path.exists():
-            client.log_artifact(run.info.run_id, str(path))
+            client.log_artifact(run_id, str(path))
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -235,6 +259,36 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def _checkpoints_key(config: Any, fingerprint: str) -> str:
+    """Checkpoints are resumed only by the same process layout that wrote them (FSDP shards its optimizer state
+    per process); the completion fingerprint ignores the layout, so a finished stage stays finished."""
+    if not config.distributed.enabled:
+        return fingerprint
+    return digest_json({"fingerprint": fingerprint, "distributed": dataclasses.asdict(config.distributed)})
+
+
+def _train_in_workers(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, output_dir: Path,
+                      fingerprint: str) -> StageResult:
+    """Launch `config.distributed.num_processes` workers that each run this stage as their rank; rank 0 writes
+    the result this returns. The checkpoints dir is prepared here, once, before any worker reads it."""
+    from training.launcher import launch_workers
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    prepare_checkpoints(output_dir, _checkpoints_key(config, fingerprint))
+    job = {"kind": "stage", "stage": spec.name, "config": config.to_dict(), "model_dir": str(model_dir),
+           "data_dir": str(data_dir), "output_dir": str(output_dir)}
+    launch_workers(job, config.distributed, detect_hardware().device, output_dir / WORKER_LOGS_DIR, spec.name)
+    if not is_complete(output_dir, fingerprint):
+        raise RuntimeError(f"{spec.name}: every worker exited 0 but {output_dir} has no completion marker")
+    return StageResult.from_dict(json.loads((output_dir / RESULT_NAME).read_text(encoding="utf-8")))
+
+
+def _adapter_state(trainer: Any) -> dict[str, Any] | None:
+    """In a worker, the trained model's full state dict for rank 0 to save (under FSDP every rank must take
+    part in gathering it); None in a lone process, which saves its model as it is."""
+    return trainer.accelerator.get_state_dict(trainer.model_wrapped) if is_worker() else None
 
 
 def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:
@@ -250,16 +304,18 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
 
     records, data_path = load_records(data_dir, spec, config.max_train_examples)
     data_digests = {data_path.name: sha256_file(data_path)}
-    fingerprint = stage_fingerprint(spec.name, config.to_dict(), model_dir, data_digests)
+    fingerprint = stage_fingerprint(spec.name, config.recipe(), model_dir, data_digests)
     if is_complete(output_dir, fingerprint) and (output_dir / RESULT_NAME).is_file():
         result = StageResult.from_dict(json.loads((output_dir / RESULT_NAME).read_text(encoding="utf-8")))
         result.skipped = True
         log.info("%s: already finished in %s, skipped", spec.name, output_dir)
         return result
-    if read_marker(output_dir) is not None:
+    if read_marker(output_dir) is not None and is_main_process():
         clear_stale_outputs(output_dir)
 
     rows = spec.to_rows(records, data_path)
+    if config.distributed.enabled and not is_worker():
+        return _train_in_workers(spec, config, model_dir, data_dir, output_dir, fingerprint)
     hw = detect_hardware()
     configure_threads()
     tokenizer = _load_tokenizer(model_dir)
@@ -268,13 +324,13 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     seed_everything(config.seed)
     model = attach_adapters(load_base_model(model_dir, config.lora, hw), config.lora)  # checks targets, 4-bit
     lengths = measure_lengths(rows, tokenizer, config.max_seq_len)
-    if lengths.overlong:
+    if lengths.overlong and is_main_process():
         log.warning("%s: %d of %d training conversations are longer than max_seq_len=%d tokens (longest %d) "
                     "and will be truncated; raise max_seq_len in the recipe to train on their ends", spec.name,
                     lengths.overlong, lengths.examples, lengths.max_seq_len, lengths.longest)
 
     output_dir.mkdir(parents=True, exist_ok=True)
-    checkpoints_dir, resume_from = prepare_checkpoints(output_dir, fingerprint)
+    checkpoints_dir, resume_from = prepare_checkpoints(output_dir, _checkpoints_key(config, fingerprint))
     from datasets import Dataset
 
     ctx = StageContext(config=config, hw=hw, model_dir=model_dir, output_dir=output_dir,
@@ -291,11 +347,15 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     started = time.monotonic()
     train_output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     history = list(trainer.state.log_history)
+    state = _adapter_state(trainer)
+    if not is_main_process():  # rank 0 alone writes the adapter, the merge, the MLflow record and the marker
+        return StageResult(stage=spec.name, output_dir=output_dir, adapter_dir=None, log_history=history,
+                           resumed_from_step=resumed_from_step)
 
     adapter_dir = output_dir / "adapter"
     with staged_directory(adapter_dir, if_exists="replace") as staging:
-        trainer.model.save_pretrained(str(staging))
-    del trainer, model
+        trainer.model.save_pretrained(str(staging), state_dict=state)
+    del trainer, model, state
     merge_adapter(adapter_dir, model_dir, output_dir)  # onto the unquantized input weights, also for QLoRA
 
     metrics = _metrics_from_history(history, train_output)
