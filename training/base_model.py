@@ -265,7 +265,7 @@ def _pretrain(model, stream: torch.Tensor, config: BaseModelConfig, device: torc
     schedule = WindowSchedule(steps=config.steps, batch_size=config.batch_size, seq_len=config.seq_len,
                               lr=config.lr, weight_decay=config.weight_decay, seed=config.seed, log_points=100,
                               label=f"pretrain {config.preset}")
-    log = train_on_windows(model, stream, schedule, lambda batch: model(input_ids=batch, labels=batch).loss,
+    log = train_on_windows(model, stream, schedule, lambda lm, batch: lm(input_ids=batch, labels=batch).loss,
                            lambda step: _lr_at(step, config), device, on_log)
     log["train_seconds"] = log.pop("seconds")
     return log | {"threads": torch.get_num_threads(), "device": str(device), "config": asdict(config)}

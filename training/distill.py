@@ -74,10 +74,10 @@ def distill(teacher: Any, student: Any, stream: torch.Tensor, config: DraftConfi
                               lr=config.lr, weight_decay=config.weight_decay, seed=config.seed, log_points=50,
                               label=f"distill {config.layers}-layer draft", loss_name="kl")
 
-    def kl_to_teacher(batch: torch.Tensor) -> torch.Tensor:
+    def kl_to_teacher(trained: Any, batch: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             target = teacher(input_ids=batch, use_cache=False).logits
-        return distillation_loss(student(input_ids=batch, use_cache=False).logits, target, config.temperature)
+        return distillation_loss(trained(input_ids=batch, use_cache=False).logits, target, config.temperature)
 
     def lr_at(step: int) -> float:
         return warmup_cosine_lr(step, lr=config.lr, steps=config.steps, warmup_steps=warmup,

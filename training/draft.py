@@ -36,6 +36,7 @@ from artifacts.tokenizer_files import TOKENIZER_FILES
 from training.base_model import RECIPE_FILE, BaseModelConfig, BaseModelError, validate_model_dir
 from training.distill import distill, measure_agreement
 from training.draft_config import DraftConfig, DraftError
+from training.ranks import cuda_device_index, is_main_process, is_worker
 
 DRAFT_RECORD = "draft.json"
 # Copied verbatim from the target: the engine refuses a draft whose tokenizer maps any token to another id.
@@ -87,6 +88,8 @@ def build_draft(target_dir: str | Path, out_dir: str | Path, config: DraftConfig
     else:
         texts = list(texts)
         source = f"{len(texts)} documents from the caller"
+    if config.distributed.enabled and not is_worker():
+        return _build_in_workers(target_dir, out_dir, config, texts, source)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
@@ -94,6 +97,8 @@ def build_draft(target_dir: str | Path, out_dir: str | Path, config: DraftConfig
         torch.manual_seed(config.seed)
         train, heldout = split_tokens(AutoTokenizer.from_pretrained(str(target_dir)), texts, config)
         device = pick_device(config.device)
+        if is_worker() and device.type == "cuda":  # one process per GPU
+            device = torch.device("cuda", cuda_device_index())
         target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
         target.requires_grad_(False)
         draft = truncated_copy(target, config.layers)
@@ -108,6 +113,8 @@ def build_draft(target_dir: str | Path, out_dir: str | Path, config: DraftConfig
             steps=config.steps, seconds=0.0, final_loss=log["loss"][-1] if log else None,
             agreement_before=before.rate, agreement=after.rate, heldout_tokens=after.positions,
             text_source=source)
+        if not is_main_process():  # rank 0 alone writes the draft
+            return build
         with staged_directory(out_dir, if_exists="replace") as tmp:
             draft.to("cpu").to(_saved_dtype(target_config)).save_pretrained(str(tmp))
             for name in CARRIED_FILES:
@@ -121,6 +128,25 @@ def build_draft(target_dir: str | Path, out_dir: str | Path, config: DraftConfig
                       "train_tokens": len(train), "distillation": log}
             (tmp / DRAFT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
     return build
+
+
+def _build_in_workers(target_dir: Path, out_dir: Path, config: DraftConfig, texts: list[str],
+                      source: str) -> DraftBuild:
+    """Distill in `config.distributed.num_processes` workers (training.launcher), each running `build_draft` as
+    its rank; rank 0 writes the draft, whose record this reads back. The job and the ranks' logs live beside
+    the output (the output itself is replaced whole when it is written)."""
+    from training.launcher import launch_workers
+
+    work_dir = out_dir.parent / f".{out_dir.name}.workers"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    texts_file = work_dir / "texts.json"
+    texts_file.write_text(json.dumps(texts), encoding="utf-8")
+    job = {"kind": "draft", "target_dir": str(target_dir), "out_dir": str(out_dir), "config": asdict(config),
+           "texts_file": str(texts_file), "overwrite": True}  # the inputs and the output were checked here
+    launch_workers(job, config.distributed, pick_device(config.device).type, work_dir, "draft")
+    built = json.loads((out_dir / DRAFT_RECORD).read_text(encoding="utf-8"))["build"]
+    return DraftBuild(**{**built, "path": Path(built["path"]), "target": Path(built["target"]),
+                         "text_source": source})
 
 
 # --- inputs ------------------------------------------------------------------------------------------------

@@ -7,10 +7,11 @@ every default lives here and nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from artifacts.errors import LifecycleError
+from training.distributed_config import DistributedSettings, distributed_settings
 
 DRAFT_RECIPE_VERSION = 1  # bump when the code changes what a recipe produces
 
@@ -26,8 +27,9 @@ class DraftError(LifecycleError, ValueError):
 class DraftConfig:
     """Recipe of a draft: how many of the target's layers it keeps and how it is distilled.
 
-    ``threads`` and ``device`` ("auto" = CUDA when available) change speed, not the result, so they are not
-    part of `recipe()` (the pipeline's cache key)."""
+    ``threads``, ``device`` ("auto" = CUDA when available) and ``distributed`` (processes that share each step's
+    batch, under DDP) change speed, not the result, so they are not part of `recipe()` (the pipeline's cache
+    key)."""
 
     layers: int = 1  # the target's first `layers` decoder layers
     # Distillation steps; 0 keeps the plain truncated copy. Measured on the default preset (1 thread, busy 2-core
@@ -44,6 +46,7 @@ class DraftConfig:
     seed: int = 0
     threads: int = 1  # measured: 1 torch thread beat 2 on the shared 2-core host (0 = leave torch's choice)
     device: str = "auto"
+    distributed: DistributedSettings = field(default_factory=DistributedSettings)
 
     def __post_init__(self) -> None:
         for name in ("layers", "batch_size", "eval_tokens"):
@@ -65,9 +68,19 @@ class DraftConfig:
             raise DraftError(f"threads: must be >= 0, got {self.threads}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise DraftError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        try:
+            self.distributed = distributed_settings(self.distributed)
+            self.distributed.per_process(self.batch_size)
+        except ValueError as exc:
+            raise DraftError(str(exc)) from None
+        if self.distributed.enabled and self.distributed.strategy != "ddp":
+            raise DraftError(f"distributed.strategy: the draft trains under ddp only, got "
+                             f"{self.distributed.strategy!r}: a few layers of its target fit on every device, and "
+                             "sharding them buys nothing")
 
     def recipe(self) -> dict[str, Any]:
         """Everything that changes the draft's weights (what a cache key is made of)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("threads", "device")}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("threads", "device", "distributed")}
         out["recipe_version"] = DRAFT_RECIPE_VERSION
         return out

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from training.ranks import is_main_process, rank, world_size
+
 __all__ = ["WindowSchedule", "train_on_windows"]
 
 
@@ -36,9 +38,10 @@ class WindowSchedule:
 
 
 def train_on_windows(model: torch.nn.Module, stream: torch.Tensor, schedule: WindowSchedule,
-                     loss_of: Callable[[torch.Tensor], torch.Tensor], lr_at: Callable[[int], float],
+                     loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor], lr_at: Callable[[int], float],
                      device: torch.device, on_log: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
-    """Train ``model`` for ``schedule.steps`` steps; ``loss_of(batch)`` is the loss of one [batch, seq_len] batch.
+    """Train ``model`` for ``schedule.steps`` steps; ``loss_of(model, batch)`` is the loss of one [batch, seq_len]
+    batch through ``model`` (the DDP-wrapped one in a distributed worker, so its gradients are averaged).
 
     ``on_log(step, model)`` runs at every log point (recipe tuning scripts check greedy accuracy there). Returns the
     curve (``step``, ``loss``, ``lr``: running means between log points) and ``seconds``, ``tokens``,
@@ -49,6 +52,14 @@ def train_on_windows(model: torch.nn.Module, stream: torch.Tensor, schedule: Win
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": schedule.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=schedule.lr, betas=(0.9, 0.95))
+    processes, accelerator, trained = world_size(), None, model
+    if processes > 1:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=device.type == "cpu")
+        trained, optimizer = accelerator.prepare(model, optimizer)
+    share = schedule.batch_size // processes  # DraftConfig checks that the batch splits evenly
+    mine = slice(rank() * share, (rank() + 1) * share)
     generator = torch.Generator().manual_seed(schedule.seed)
     offsets = torch.arange(schedule.seq_len)
     log_every = max(1, schedule.steps // schedule.log_points)
@@ -56,22 +67,27 @@ def train_on_windows(model: torch.nn.Module, stream: torch.Tensor, schedule: Win
     running, count, tokens = 0.0, 0, 0
     start = time.perf_counter()
     use_bf16 = device.type == "cuda"
-    bar = tqdm(range(schedule.steps), desc=schedule.label, unit="step", mininterval=2.0)
+    bar = tqdm(range(schedule.steps), desc=schedule.label, unit="step", mininterval=2.0,
+               disable=not is_main_process())
     for step in bar:
         lr = lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, len(stream) - schedule.seq_len, (schedule.batch_size,), generator=generator)
-        batch = stream[starts[:, None] + offsets].to(device)
+        batch = stream[starts[mine, None] + offsets].to(device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            loss = loss_of(batch)
-        loss.backward()
+            loss = loss_of(trained, batch)
+        if accelerator is None:
+            loss.backward()
+        else:
+            accelerator.backward(loss)
+            loss = accelerator.reduce(loss.detach(), reduction="mean")  # the whole batch's loss, as one process
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         running += loss.item()
         count += 1
-        tokens += batch.numel()
+        tokens += batch.numel() * processes
         if (step + 1) % log_every == 0 or step + 1 == schedule.steps:
             steps.append(step + 1)
             losses.append(running / count)

@@ -33,7 +33,8 @@ def test_the_draft_section_is_optional_and_maps_to_draft_config(tmp_path):
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("draft:\n  layer: 1\n", "unknown key 'draft.layer' (known keys: batch_size, device, eval_tokens, layers, lr,"),
+    ("draft:\n  layer: 1\n",
+     "unknown key 'draft.layer' (known keys: batch_size, device, distributed, eval_tokens, layers,"),
     ("draft:\n  layers: 0\n", "draft: layers: must be >= 1, got 0"),
     ("draft:\n  steps: many\n", "draft.steps: expected an integer, got 'many'"),
 ])
