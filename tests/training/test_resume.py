@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
+from stage_kill import kill_at_first_checkpoint  # tests/training/stage_kill.py
 
-from training.checkpoints import MARKER_NAME, latest_checkpoint
+from training.checkpoints import MARKER_NAME
 from training.sft import run_sft
 from training.stage_config import LoraSettings, SFTStageConfig
 
@@ -46,27 +41,7 @@ def config() -> SFTStageConfig:
 @pytest.mark.slow
 def test_sigkilled_stage_resumes_from_its_last_checkpoint(micro_base_dir, micro_data_dir, tmp_path):
     out = tmp_path / "sft"
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    child = subprocess.Popen([sys.executable, str(script), str(micro_base_dir), str(micro_data_dir), str(out),
-                              str(Path(__file__).parent)], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while latest_checkpoint(out / "checkpoints") is None:
-            assert child.poll() is None, f"stage process exited early with {child.returncode}"
-            assert time.monotonic() < deadline, "no checkpoint within 300 s"
-            time.sleep(0.05)
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == -signal.SIGKILL
-    last = latest_checkpoint(out / "checkpoints")
-    killed_at = int(last.name.rsplit("-", 1)[-1])
+    killed_at = kill_at_first_checkpoint(CHILD, [str(micro_base_dir), str(micro_data_dir), str(out)], out, tmp_path)
     assert SAVE_STEPS <= killed_at < MAX_STEPS
     assert not (out / MARKER_NAME).exists()
 
