@@ -10,7 +10,7 @@ import os
 
 from artifacts.common.workdir import REPO_ROOT, Workdir, resolve_workdir
 
-__all__ = ["REPO_ROOT", "Workdir", "prepare_environment", "resolve_workdir"]
+__all__ = ["REPO_ROOT", "Workdir", "prepare_environment", "resolve_workdir", "worker_environment"]
 
 _OFFLINE_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -39,3 +39,16 @@ def prepare_environment(workdir: Workdir) -> None:
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(workdir.prefect_home / "results"))
     os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")
     os.environ["MLFLOW_TRACKING_URI"] = workdir.tracking_uri()
+
+
+# What a stage reads from the environment besides the defaults above: Prefect's home and result storage, the
+# workdir, the torch threads and the Hugging Face cache.
+_STAGE_VARIABLES = ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH", "PREFECT_RESULTS_PERSIST_BY_DEFAULT",
+                    "LIFECYCLE_HOME", "LIFECYCLE_TORCH_THREADS", "HF_HOME")
+
+
+def worker_environment(tracking_uri: str) -> dict[str, str]:
+    """This process's pipeline settings for a stage that runs in another process (a Ray worker, which does not
+    inherit this environment): the MLflow store, Prefect's home and result storage, the offline defaults."""
+    names = (*_OFFLINE_DEFAULTS, *_STAGE_VARIABLES)
+    return {name: os.environ[name] for name in names if name in os.environ} | {"MLFLOW_TRACKING_URI": tracking_uri}

@@ -22,6 +22,7 @@ from artifacts.common.workdir import sqlite_artifact_root
 from flows.environment import resolve_workdir
 from flows.notify import notify_failure
 from flows.prefect_artifacts import publish_artifacts
+from flows.ray_runner import stage_runner
 from flows.recipe import load_recipe
 from flows.report import PipelineReport, draft_note, quantized_table, stage_change_note
 from flows.stage_runner import StageOutput, console
@@ -77,10 +78,12 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
     _use_experiment(recipe.name)
     report = PipelineReport(recipe_name=recipe.name)
 
-    with mlflow.start_run(run_name=f"{recipe.name}-pipeline") as parent:
-        mlflow.set_tags({"lifecycle.recipe": str(Path(recipe_path).resolve()), "lifecycle.kind": "pipeline"})
+    with mlflow.start_run(run_name=f"{recipe.name}-pipeline") as parent, \
+            stage_runner(recipe.runner, workdir.tracking_uri(), str(recipe_path)) as stages:
+        mlflow.set_tags({"lifecycle.recipe": str(Path(recipe_path).resolve()), "lifecycle.kind": "pipeline",
+                         "lifecycle.runner": stages.kind})
         mlflow.log_artifact(str(recipe_path), artifact_path="recipe")
-        ctx = PipelineContext(recipe=recipe, workdir=workdir, parent_run_id=parent.info.run_id)
+        ctx = PipelineContext(recipe=recipe, workdir=workdir, parent_run_id=parent.info.run_id, stages=stages)
 
         base = base_stage(ctx)
         data = data_stage(ctx)

@@ -26,6 +26,10 @@ def preflight(recipe: Recipe, source: str | Path | None = None) -> None:
     """Raise the stage's own LifecycleError (or a ConfigError naming the recipe key) for the first input that
     cannot work. `source` is the recipe file, named in the error line."""
     where = str(source) if source is not None else f"recipe {recipe.name!r}"
+    if recipe.runner.kind == "ray":
+        from flows.ray_runner import check_address, resolve_address
+
+        check_address(resolve_address(recipe.runner.address), where)
     if not recipe.base.is_embedded:
         from training.base_model import validate_model_dir
 

@@ -112,6 +112,27 @@ class RolloutSection:
             raise ValueError(f"mode: must be 'auto', 'manual' or 'off', got {self.mode!r}")
 
 
+RUNNER_KINDS = ("local", "ray")
+
+
+@dataclass
+class RunnerSection:
+    """Where the flow's stage tasks run: ``local`` (in the flow's own process) or ``ray`` (each stage a task on
+    the Ray cluster at ``address``, through prefect-ray; flows/ray_runner.py). Stages still talk through the
+    workdir, so on a cluster of several machines it must be on storage every node mounts at the same path."""
+
+    kind: str = "local"
+    # ray: HOST:PORT of the head (`ray start --head` prints it), ray://HOST:10001, `local` (a Ray instance
+    # started for this run alone), or empty: $RAY_ADDRESS, else `auto` (the cluster started on this machine)
+    address: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in RUNNER_KINDS:
+            raise ValueError(f"kind: must be one of {', '.join(RUNNER_KINDS)}, got {self.kind!r}")
+        if self.address and self.kind != "ray":
+            raise ValueError(f"address: only a ray runner has one (kind is {self.kind!r})")
+
+
 @dataclass
 class Recipe:
     name: str = "tiny-default"
@@ -129,6 +150,7 @@ class Recipe:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     # Promotion gates on the final eval record, e.g. "task_accuracy >= 0.4".
     gates: list[str] = field(default_factory=list)
+    runner: RunnerSection = field(default_factory=RunnerSection)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):

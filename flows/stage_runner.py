@@ -25,6 +25,7 @@ from rich.console import Console
 from artifacts.common.atomic import atomic_write_json
 from artifacts.digests import digest_json
 from artifacts.errors import LifecycleError
+from flows.ray_runner import ray_placement
 
 console = Console(stderr=True)
 
@@ -106,24 +107,20 @@ def _is_transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-@task(
-    name="stage",
-    task_run_name="{work.stage}",
-    cache_key_fn=_cache_key,
-    persist_result=True,
-    retries=1,
-    retry_delay_seconds=2,
-    retry_condition_fn=_is_transient,
-)
-def run_stage(work: StageWork, parent_run_id: str | None) -> StageOutput:
+def stage_task_body(work: StageWork, parent_run_id: str | None) -> StageOutput:
+    """What the `run_stage` task does: run the work in a nested MLflow run, then mark its directory complete."""
     started = time.perf_counter()
     work.out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold cyan]▶ {work.stage}[/] → {work.out_dir}", highlight=False)
-    with mlflow.start_run(run_name=work.stage, nested=parent_run_id is not None, parent_run_id=parent_run_id) as run:
+    # Beside its parent run: in a Ray worker no experiment is set, and MLflow would file the run under Default.
+    experiment_id = mlflow.get_run(parent_run_id).info.experiment_id if parent_run_id else None
+    with mlflow.start_run(run_name=work.stage, nested=parent_run_id is not None, parent_run_id=parent_run_id,
+                          experiment_id=experiment_id) as run:
         mlflow.set_tags({"lifecycle.stage": work.stage, "lifecycle.stage_key": work.key})
         if work.params:
             mlflow.log_params(_flatten(work.params))
         metrics, info = work.run(work.out_dir)
+        info.update(ray_placement())
         if metrics:
             mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
         mlflow.log_param("output_dir", str(work.out_dir))
@@ -139,6 +136,20 @@ def run_stage(work: StageWork, parent_run_id: str | None) -> StageOutput:
     console.print(f"[green]✓ {work.stage}[/] in {output.seconds:.1f}s", highlight=False)
     _write_marker(work.out_dir, output)
     return output
+
+
+# Decorated here rather than with `@task` above the body: then `flows.stage_runner.stage_task_body` names the plain
+# function, so a Ray worker unpickles it by reference (a function Python cannot find under its own name is
+# pickled by value, module globals and all, and the terminal's console cannot be).
+run_stage = task(
+    name="stage",
+    task_run_name="{work.stage}",
+    cache_key_fn=_cache_key,
+    persist_result=True,
+    retries=1,
+    retry_delay_seconds=2,
+    retry_condition_fn=_is_transient,
+)(stage_task_body)
 
 
 def _write_marker(out_dir: Path, output: StageOutput) -> None:

@@ -18,6 +18,7 @@ import mlflow
 from artifacts.common.mlflow_batch import log_batch
 from artifacts.errors import LifecycleError
 from flows.environment import Workdir
+from flows.ray_runner import LocalStages
 from flows.recipe import Recipe
 from flows.stage_runner import StageOutput, StageWork, console, is_complete, run_stage, stage_key
 
@@ -28,6 +29,11 @@ class PipelineContext:
     workdir: Workdir
     parent_run_id: str | None
     outputs: dict[str, StageOutput] = field(default_factory=dict)
+    stages: Any = field(default_factory=LocalStages)  # where stage tasks run (flows.ray_runner)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A stage's work travels to a Ray worker with the context it closes over; the runner stays here."""
+        return {**self.__dict__, "stages": None}
 
     @property
     def ship_variant(self) -> str:
@@ -39,18 +45,27 @@ class PipelineContext:
     def out_dir(self, stage: str, key: str) -> Path:
         return self.workdir.runs / self.recipe.name / f"{stage}-{key[:12]}"
 
-    def run(self, stage: str, key: str, work_fn, params: dict[str, Any] | None = None) -> StageOutput:
+    def run(self, stage: str, key: str, work_fn, params: dict[str, Any] | None = None,
+            resources: dict[str, Any] | None = None) -> StageOutput:
+        """Run (or take from cache) one stage task; `resources`: what it asks a Ray cluster for."""
         work = StageWork(stage=stage, key=key, out_dir=self.out_dir(stage, key), run=work_fn,
                          params=params or {})
         # A cached result is only trusted while its directory is complete; otherwise run and re-cache.
         task = run_stage if is_complete(work.out_dir) else run_stage.with_options(refresh_cache=True)
-        state = task(work, self.parent_run_id, return_state=True)
+        state = self.stages.run(task, {"work": work, "parent_run_id": self.parent_run_id}, resources)
         output: StageOutput = state.result()
         output.cached = state.is_completed() and state.name == "Cached"
         if output.cached:
             console.print(f"[green]✓ {stage}[/] from cache ({output.path})", highlight=False)
+        elif "ray_node" in output.info:  # the worker's own lines are in Ray's logs, not on this terminal
+            console.print(f"[green]✓ {stage}[/] in {output.seconds:.1f}s on Ray node {output.info['ray_node'][:12]} "
+                          f"(pid {output.info['ray_pid']})", highlight=False)
         self.outputs[stage] = output
         return output
+
+    def training_resources(self, config: Any, key: str, device: str = "auto") -> dict[str, Any] | None:
+        """A training stage's Ray resources: one GPU (or CPU) per training process; None off Ray."""
+        return self.stages.resources(config.distributed.num_processes, device, key)
 
 
 def base_stage(ctx: PipelineContext) -> StageOutput:
@@ -152,7 +167,8 @@ def training_stage(ctx: PipelineContext, name: str, previous: StageOutput, data:
             info["adapter_dir"] = str(result.adapter_dir)
         return dict(result.metrics), info
 
-    return ctx.run(name, key, train, params={"input_model": previous.path, **_asdict(config)})
+    return ctx.run(name, key, train, params={"input_model": previous.path, **_asdict(config)},
+                   resources=ctx.training_resources(config, f"training.{name}.distributed.num_processes"))
 
 
 def draft_stage(ctx: PipelineContext, model: StageOutput, data: StageOutput) -> StageOutput:
@@ -179,7 +195,8 @@ def draft_stage(ctx: PipelineContext, model: StageOutput, data: StageOutput) -> 
         return result.metrics(), {"path": str(result.path), "target": model.path,
                                   "layers": f"{result.layers} of {result.target_layers}", "text_source": source}
 
-    return ctx.run("draft", key, build, params={"input_model": model.path, **_asdict(config)})
+    return ctx.run("draft", key, build, params={"input_model": model.path, **_asdict(config)},
+                   resources=ctx.training_resources(config, "draft.distributed.num_processes", config.device))
 
 
 def quantize_stage(ctx: PipelineContext, model: StageOutput, data: StageOutput) -> StageOutput:
