@@ -46,7 +46,9 @@ from benchmarks.servers import (  # noqa: E402
     SERVED_NAME,
     BenchError,
     Child,
+    bench_parser,
     build_model,
+    check_model_dir,
     engine_server,
     free_port,
     machine_facts,
@@ -54,7 +56,16 @@ from benchmarks.servers import (  # noqa: E402
     start_gateway,
     wait_ready,
 )
-from benchmarks.stream_load import Shape, Stream, make_prompts, make_shapes, run_load, scrape, summarize  # noqa: E402
+from benchmarks.stream_load import (  # noqa: E402
+    Shape,
+    Stream,
+    check_ranges,
+    make_prompts,
+    make_shapes,
+    run_load,
+    scrape,
+    summarize,
+)
 
 CONFIGS = ("direct", "gateway", "gateway + shadow")
 TARGET_LOSS = 0.10  # the targets at 16 concurrent streams
@@ -252,16 +263,8 @@ def report(args: argparse.Namespace, res: dict[str, Any], machine: str) -> str:
     return "\n".join(lines)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    ap = OneLineParser(prog="benchmarks/gateway.py", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None,
-                    help="HF model dir to serve (default: build the serving-bench model, benchmarks/bench_model.py)")
+    ap = bench_parser("benchmarks/gateway.py", __doc__)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each engine server")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16, help="streams open at once")
@@ -284,12 +287,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')}: must be >= 1")
     if args.shadow_concurrency < 0:
         ap.error("--shadow-concurrency: must be >= 0")
-    for name in ("prompt_range", "output_range"):
-        lo, hi = getattr(args, name)
-        if not 1 <= lo <= hi:
-            ap.error(f"--{name.replace('_', '-')}: want 1 <= MIN <= MAX, got {lo} {hi}")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        ap.error(f"--model: {args.model} is not a Hugging Face model dir (no config.json)")
+    check_ranges(ap, args)
+    check_model_dir(ap, args.model)
     return args
 
 

@@ -7,6 +7,7 @@ also on Ctrl-C, so no run leaves servers behind.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -24,12 +25,36 @@ from artifacts.errors import LifecycleError
 REPO = Path(__file__).resolve().parent.parent
 SERVED_NAME = "bench"
 
-__all__ = ["REPO", "SERVED_NAME", "BenchError", "Child", "add_key", "build_model", "engine_server", "free_port",
-           "launch", "machine_facts", "run_with_servers", "serve_args", "start_gateway", "stop_all", "wait_ready"]
+__all__ = ["REPO", "SERVED_NAME", "BenchError", "Child", "OneLineParser", "add_key", "bench_parser", "build_model",
+           "check_model_dir", "engine_server", "free_port", "launch", "machine_facts", "run_with_servers", "serve_args",
+           "start_gateway", "stop_all", "wait_ready"]
 
 
 class BenchError(LifecycleError):
     """Something the user can fix or a server that did not come up: one line, exit 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line and exit 2, as with the project's own commands (no usage block)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def bench_parser(prog: str, doc: str) -> OneLineParser:
+    """A serving benchmark's parser: the first paragraph of its ``doc`` as the description, defaults shown, and
+    ``--model`` (checked by ``check_model_dir``)."""
+    ap = OneLineParser(prog=prog, description=doc.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="HF model dir to serve (default: build the serving-bench model, benchmarks/bench_model.py)")
+    return ap
+
+
+def check_model_dir(ap: argparse.ArgumentParser, model: Path | None) -> None:
+    """``--model``, when given, must be a Hugging Face model dir."""
+    if model is not None and not (model / "config.json").is_file():
+        ap.error(f"--model: {model} is not a Hugging Face model dir (no config.json)")
 
 
 class Child:

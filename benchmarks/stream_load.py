@@ -24,6 +24,14 @@ class Shape:
     max_tokens: int
 
 
+def check_ranges(ap, args, names: tuple[str, ...] = ("prompt_range", "output_range")) -> None:
+    """Each ``--*-range MIN MAX`` flag must have 1 <= MIN <= MAX (``ap.error`` otherwise)."""
+    for name in names:
+        lo, hi = getattr(args, name)
+        if not 1 <= lo <= hi:
+            ap.error(f"--{name.replace('_', '-')}: want 1 <= MIN <= MAX, got {lo} {hi}")
+
+
 def make_shapes(n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int]) -> list[Shape]:
     rng = random.Random(seed)
     return [Shape(rng.randint(*prompt_range), rng.randint(*output_range)) for _ in range(n)]

@@ -218,8 +218,10 @@ class Fleet:
 
     def replica(self, version: str, role: str = "") -> ReplicaRecord | None:
         for replica in self.record.replicas:
+            known = replica.url
             if replica.version == str(version) and replica.role == role and self._live(replica):
-                self.save()
+                if replica.url != known:
+                    self.save()
                 return replica
         return None
 

@@ -31,10 +31,18 @@ REGISTER_FOR_S = 600.0  # how long a started server keeps trying to reach a gate
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the actor's process goes (Linux; elsewhere a no-op)."""
+def _server_process_setup() -> None:
+    """In the child before exec: SIGKILL when the actor's process goes (Linux; elsewhere a no-op), and the
+    default CPU priority. Ray runs its workers at niceness 15 (so its own daemons stay responsive); a server that
+    inherited it would lose the cores to every other process on a busy node (measured here: TTFT p95 ×1.44 at 16
+    streams). Raising the priority back needs root or CAP_SYS_NICE; without them the server keeps Ray's
+    niceness (``info()["niceness"]``), and nodes started with ``RAY_worker_niceness=0`` avoid it."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
     except OSError:
         pass
 
@@ -58,7 +66,7 @@ class ReplicaActor:
         args = [sys.executable, "-m", "serving.cli", "serve", *serve_args, "--host", self.node, "--port", str(port)]
         with open(self.log, "ab") as handle:
             self.proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=os.environ | env, start_new_session=True, preexec_fn=_die_with_parent)
+                                         env=os.environ | env, start_new_session=True, preexec_fn=_server_process_setup)
         self.ready = threading.Event()
         self.failure = ""
         self.stopping = False
@@ -67,7 +75,8 @@ class ReplicaActor:
 
     def info(self) -> dict:
         return {"url": self.url, "pid": self.proc.pid, "node": self.node, "node_id": self.node_id, "log": str(self.log),
-                "ready": self.ready.is_set(), "restarted": self.restarted, "registered": list(self.registered)}
+                "ready": self.ready.is_set(), "restarted": self.restarted, "registered": list(self.registered),
+                "niceness": _niceness(self.proc.pid)}
 
     def wait_ready(self, timeout: float) -> str:
         """The URL once the server answers /ready; raises with the server's last log line when it cannot start."""
@@ -127,6 +136,13 @@ class ReplicaActor:
                     self.registered.append(gateway)
             if pending:
                 time.sleep(1.0)
+
+
+def _niceness(pid: int) -> int | None:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError:
+        return None
 
 
 def _log_file(log_dir: str, name: str) -> Path:

@@ -32,6 +32,7 @@ QUIET = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERE
 class RayCluster:
     address: str  # HOST:PORT of the head's GCS, as `ray start --address` and `ray.init(address=...)` take it
     temp: Path
+    pids: list[int]  # the `ray start --block` processes: every Ray process of the cluster descends from one
 
 
 def _node(args: list[str], temp: Path, name: str) -> subprocess.Popen:
@@ -61,7 +62,8 @@ def _wait_nodes(address: str, count: int, procs: list[subprocess.Popen], temp: P
 
 @contextlib.contextmanager
 def ray_cluster(head_cpus: int = 3, node_cpus: int = 2, timeout: float = 180.0) -> Iterator[RayCluster]:
-    """A head (``head_cpus`` CPUs, resource ``head``) and a second node (``node_cpus``, resource ``node2``)."""
+    """A head (``head_cpus`` CPUs, resource ``head``) and a second node (``node_cpus``, resource ``node2``; none
+    when 0)."""
     # short: Ray's unix sockets live below it, and a socket path may not exceed 107 characters
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     head = _node(["--head", f"--port={free_port()}", "--node-ip-address=127.0.0.1", f"--num-cpus={head_cpus}",
@@ -71,10 +73,11 @@ def ray_cluster(head_cpus: int = 3, node_cpus: int = 2, timeout: float = 180.0) 
     try:
         address = _head_address(head, temp, timeout)
         _wait_nodes(address, 1, procs, temp, timeout)
-        procs.append(_node([f"--address={address}", f"--num-cpus={node_cpus}", '--resources={"node2": 1}'],
-                           temp, "node"))
-        _wait_nodes(address, 2, procs, temp, timeout)
-        yield RayCluster(address, temp)
+        if node_cpus:
+            procs.append(_node([f"--address={address}", f"--num-cpus={node_cpus}", '--resources={"node2": 1}'],
+                               temp, "node"))
+            _wait_nodes(address, 2, procs, temp, timeout)
+        yield RayCluster(address, temp, [p.pid for p in procs])
     finally:
         for proc in reversed(procs):
             _stop(proc)

@@ -22,6 +22,7 @@ import yaml
 from mlflow import MlflowClient
 
 from serving.gateway.routing import RoutingState, choose_variant
+from serving.rollout.plan import Gates
 from serving.rollout.ray_backend import DEFAULT_NAMESPACE
 from tests.serving.fleet_support import bearer, deploy, free_port, gateway_process, wait_ready
 from tests.serving.ray_support import ray_cluster
@@ -83,7 +84,10 @@ def test_deploy_puts_the_champion_on_a_ray_actor_that_answers_through_the_gatewa
     assert record["backend"] == "ray" and record["ray_namespace"] == DEFAULT_NAMESPACE
     (replica,) = record["replicas"]
     assert replica["actor"] in ray.util.list_named_actors()
-    assert _actor_info(ray, replica["actor"])["url"] == replica["url"]
+    info = _actor_info(ray, replica["actor"])
+    assert info["url"] == replica["url"]
+    if os.geteuid() == 0:  # the server runs at the default priority, not at Ray's worker niceness (15)
+        assert info["niceness"] == 0
     key = (deployed["fleet_dir"] / "traffic.key").read_text().strip()
     answer = _ask(record["gateway_url"], key)
     assert answer.status_code == 200 and answer.headers["x-lifecycle-variant"] == "champion"
@@ -139,7 +143,7 @@ def test_a_full_rollout_on_ray_behind_two_gateways(deployed, ray, tmp_path):
                            champion_served_model=champion.served_model, baseline_replicas=[baseline.url],
                            gateway_url=primary, other_gateway_urls=[second_url],
                            admin_key_file=str(fleet.admin_key_file), tracking_uri=registry.tracking_uri,
-                           plan=fast_plan(), fleet_dir=str(fleet_dir))
+                           plan=_plan(), fleet_dir=str(fleet_dir))
         agreed = []
 
         def say(line: str) -> None:  # at each transition, after its routing reached every gateway
@@ -156,7 +160,9 @@ def test_a_full_rollout_on_ray_behind_two_gateways(deployed, ray, tmp_path):
         finally:
             stats = [t.stop() for t in traffic]
         phases = [d["to"] for d in state.decisions if d["kind"] == "phase"]
-        assert state.phase == "promoted", (state.reason, phases)
+        assert state.phase == "promoted", (state.reason, phases, [
+            (a["phase"], [(v["gate"], v["outcome"], v["candidate"], v["baseline"]) for v in a["verdicts"]])
+            for a in state.analyses], {r.actor: _actor_info(ray, r.actor) for r in (champion, candidate, baseline)})
         assert {"baseline", "shadow", "promoted"} <= set(phases) and any(p.startswith("canary") for p in phases)
         assert agreed and agreed[0] == 1000
         assert all(s.user_errors == 0 and s.variants["canary"] > 0 for s in stats)
@@ -188,6 +194,14 @@ def test_deploy_stop_removes_the_replicas_actors(deployed, ray):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _plan():
+    """The other rollout tests' fast plan, with wide latency bands: on this shared 2-core host, under other work,
+    the 1-ms inter-token gaps of two replicas of one tiny model differ by up to ~40% from one window to the next
+    (seen here: a paused A/A rollout, ITL ×1.31), and this test is about the rollout's machinery on Ray, not the
+    judge's sensitivity (test_rollout_judge.py and benchmarks/rollout_calibration.py measure that)."""
+    return fast_plan(gates=Gates(max_ttft_ratio=3.0, max_itl_ratio=3.0, max_ms_per_token_p95_ratio=3.0))
+
+
 def _second_gateway(fleet_dir: Path, primary: str, tmp: Path):
     """A gateway run by hand (`lifecycle gateway`) on the fleet's keys, on the host the replicas can reach."""
     host = primary.split("//")[1].rsplit(":", 1)[0]
