@@ -10,7 +10,8 @@ the best earlier stage of the same seed, then the mean and spread over seeds. Ru
     .venv/bin/python benchmarks/grpo_seeds.py configs/default.yaml WORKDIR/models/base/KEY \\
         WORKDIR/runs/tiny-default/data-KEY/data --seeds 0 1 2
 
-``--set stage.key=value`` overrides a field of a stage's section (``--set grpo.max_steps=80``).
+``--set stage.key=value`` overrides a field of a stage's section (``--set grpo.max_steps=80``). Seeds can run as
+separate processes (``--seeds 1 --json s1.json``, ...) and be tabled together: ``--report s0.json s1.json ...``.
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ def _stage_override(text: str) -> tuple[str, str, object]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipe", type=Path)
-    parser.add_argument("base_model", type=Path, help="the base model dir (SFT's input)")
-    parser.add_argument("data", type=Path, help="the data stage's output dir")
+    parser.add_argument("recipe", type=Path, nargs="?")
+    parser.add_argument("base_model", type=Path, nargs="?", help="the base model dir (SFT's input)")
+    parser.add_argument("data", type=Path, nargs="?", help="the data stage's output dir")
+    parser.add_argument("--report", type=Path, nargs="+", help="table the chains of earlier --json files instead")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--k", type=int, default=8, help="sampled replies per held-out prompt")
     parser.add_argument("--set", type=_stage_override, action="append", default=[], dest="overrides",
@@ -128,7 +130,17 @@ def print_tables(chains: list[SeedChain], k: int) -> None:
             print(f"| {label} | " + " | ".join(cells) + " |")
 
 
+def report(paths: list[Path], k: int) -> int:
+    chains = [SeedChain(**chain) for path in paths for chain in json.loads(path.read_text(encoding="utf-8"))]
+    print_tables(sorted(chains, key=lambda c: c.seed), k)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        return report(args.report, args.k)
+    if args.data is None:
+        raise ValueError("give RECIPE BASE_MODEL DATA, or --report JSON...")
     recipe = load_recipe(args.recipe)
     torch.set_num_threads(recipe.threads or torch.get_num_threads())
     with tempfile.TemporaryDirectory(prefix="grpo-seeds-") as tmp:
@@ -144,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (LifecycleError, ValueError, TypeError) as exc:  # a bad recipe, override, model or data dir
+    except (LifecycleError, ValueError, TypeError, OSError) as exc:  # a bad recipe, override, model, dir or file
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
