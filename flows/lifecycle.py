@@ -122,7 +122,7 @@ def _post_train(ctx: PipelineContext, report: PipelineReport, base: StageOutput,
         report.add_stage(model)
         report.add_eval(name, eval_stage(ctx, name, model, data))
         report.notes.append(stage_change_note(name, model_label, report.evals[name].metrics,
-                                              report.evals[model_label].metrics))
+                                              report.evals[model_label].metrics, model.metrics))
         model_label = name
     return model
 

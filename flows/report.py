@@ -37,12 +37,20 @@ SHORT_TITLES = {
 RATE_METRICS = tuple(m for m in HEADLINE_METRICS if m != "perplexity")
 
 
-def stage_change_note(label: str, input_label: str, after: dict[str, float], before: dict[str, float]) -> str:
-    """``grpo vs its input (dpo): task acc +0.0, sampled acc +6.1, ... points``: what one stage changed on
-    the held-out evals, the figure a promotion decision starts from. Metrics either side lacks are left out."""
+CURVE_FIRST, CURVE_LAST = "heldout_greedy_accuracy_first", "heldout_greedy_accuracy_last"
+
+
+def stage_change_note(label: str, input_label: str, after: dict[str, float], before: dict[str, float],
+                      training: dict[str, float] | None = None) -> str:
+    """``grpo vs its input (dpo): task acc +0.0, sampled acc +6.1, ... points; held-out greedy during the stage
+    0.891 -> 0.938``: what one stage changed on the held-out evals, the figure a promotion decision starts
+    from, and (from the training stage's own metrics) where its held-out curve started and ended. Metrics
+    either side lacks are left out."""
     changes = [f"{SHORT_TITLES[m]} {(after[m] - before[m]) * 100:+.1f}" for m in RATE_METRICS
                if m in after and m in before]
     summary = ", ".join(changes) + " points" if changes else "no shared metrics"
+    if training and CURVE_FIRST in training and CURVE_LAST in training:
+        summary += f"; held-out greedy during the stage {training[CURVE_FIRST]:.3f} -> {training[CURVE_LAST]:.3f}"
     return f"{label} vs its input ({input_label}): {summary}"
 
 

@@ -13,6 +13,14 @@ def test_stage_change_note_gives_each_shared_rate_in_points():
     assert note == "grpo vs its input (dpo): task acc -1.0, sampled acc +6.1, refusal +0.0 points"
 
 
+def test_stage_change_note_adds_where_the_stages_held_out_curve_started_and_ended():
+    before, after = {"task_accuracy": 0.895}, {"task_accuracy": 0.94}
+    training = {"heldout_greedy_accuracy_first": 0.906, "heldout_greedy_accuracy_last": 0.9375, "loss": 0.1}
+    note = stage_change_note("grpo", "dpo", after, before, training)
+    assert note == "grpo vs its input (dpo): task acc +4.5 points; held-out greedy during the stage 0.906 -> 0.938"
+    assert stage_change_note("grpo", "dpo", after, before, {"loss": 0.1}).endswith("task acc +4.5 points")
+
+
 def test_stage_change_note_without_shared_metrics_says_so():
     assert stage_change_note("sft", "base", {"perplexity": 3.0}, {}) == "sft vs its input (base): no shared metrics"
 
