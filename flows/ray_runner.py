@@ -143,12 +143,23 @@ def stage_runner(section: Any, tracking_uri: str, where: str) -> Iterator[LocalS
             ray.shutdown()
 
 
+def at_default_priority() -> None:
+    """In a Ray worker, run the stage at niceness 0 again. Ray starts its workers at 15 (`worker_niceness`) to
+    keep its daemons responsive, and a training stage (and the processes it launches) at 15 loses the cores to
+    any other work on a shared node. Only root or CAP_SYS_NICE may lower it; elsewhere start the nodes with
+    `RAY_worker_niceness=0`."""
+    if ray_placement() and os.getpriority(os.PRIO_PROCESS, 0) > 0:
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+
+
 def ray_placement() -> dict[str, Any]:
-    """Where this stage ran, when it ran as a Ray task (node, process, GPUs); empty elsewhere."""
+    """Where this stage ran, when it ran as a Ray task (node, process, GPUs, niceness); empty elsewhere."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return {}
     context = ray.get_runtime_context()
     if context.worker.mode != ray.WORKER_MODE:
         return {}
-    return {"ray_node": context.get_node_id(), "ray_pid": os.getpid(), "ray_gpus": [str(g) for g in ray.get_gpu_ids()]}
+    return {"ray_node": context.get_node_id(), "ray_pid": os.getpid(), "ray_gpus": [str(g) for g in ray.get_gpu_ids()],
+            "ray_nice": os.getpriority(os.PRIO_PROCESS, 0)}

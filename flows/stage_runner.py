@@ -25,7 +25,7 @@ from rich.console import Console
 from artifacts.common.atomic import atomic_write_json
 from artifacts.digests import digest_json
 from artifacts.errors import LifecycleError
-from flows.ray_runner import ray_placement
+from flows.ray_runner import at_default_priority, ray_placement
 
 console = Console(stderr=True)
 
@@ -110,6 +110,7 @@ def _is_transient(task: Any, task_run: Any, state: Any) -> bool:
 def stage_task_body(work: StageWork, parent_run_id: str | None) -> StageOutput:
     """What the `run_stage` task does: run the work in a nested MLflow run, then mark its directory complete."""
     started = time.perf_counter()
+    at_default_priority()  # a Ray worker starts at niceness 15
     work.out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold cyan]▶ {work.stage}[/] → {work.out_dir}", highlight=False)
     # Beside its parent run: in a Ray worker no experiment is set, and MLflow would file the run under Default.
