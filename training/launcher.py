@@ -118,20 +118,38 @@ def launch_workers(job: dict[str, Any], settings: DistributedSettings, device: s
         _stop(workers)
         for log in logs:
             log.close()
-    if failed is not None:
-        raise _failure(failed, workers[failed].returncode, settings.num_processes, log_dir, label)
+    if failed:
+        rank = _root_cause(failed, log_dir)
+        raise _failure(rank, workers[rank].returncode, settings.num_processes, log_dir, label)
 
 
-def _wait(workers: list[subprocess.Popen]) -> int | None:
-    """Poll until every worker has exited 0 (None) or one has failed (its rank)."""
+def _wait(workers: list[subprocess.Popen]) -> list[int]:
+    """Poll until every worker has exited 0 (no ranks) or some have failed (their ranks)."""
     while True:
         codes = [w.poll() for w in workers]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                return rank
-        if all(code == 0 for code in codes):
-            return None
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed or all(code == 0 for code in codes):
+            return failed
         time.sleep(0.2)
+
+
+def _read_error(log_dir: Path, rank: int) -> dict | None:
+    try:
+        return json.loads(error_file(log_dir, rank).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _root_cause(failed: list[int], log_dir: Path) -> int:
+    """Of ranks that failed together, the one that says most: a user error; else one that died without a word
+    (a signal, the OOM killer), whose peers' recorded errors are only the broken connection to it; else the
+    lowest rank."""
+    errors = {rank: _read_error(log_dir, rank) for rank in failed}
+    for wanted in (lambda e: e is not None and e.get("user_error"), lambda e: e is None):
+        for rank in failed:
+            if wanted(errors[rank]):
+                return rank
+    return failed[0]
 
 
 def _stop(workers: list[subprocess.Popen]) -> None:
@@ -151,10 +169,7 @@ def _stop(workers: list[subprocess.Popen]) -> None:
 def _failure(rank: int, code: int, n: int, log_dir: Path, label: str) -> Exception:
     where = f"{label}: worker rank {rank} of {n}"
     log = log_dir / f"rank-{rank}.log"
-    try:
-        error = json.loads(error_file(log_dir, rank).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        error = None
+    error = _read_error(log_dir, rank)
     if error is None:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return RuntimeError(f"{where} {how} (log: {log if rank else 'the output above'})")

@@ -145,3 +145,17 @@ def test_a_worker_error_is_the_stage_error(tmp_path):
         launch_workers(stage, two, "cpu", tmp_path / "a", "sft")
     with pytest.raises(RuntimeError, match=r"probe: worker rank [01] of 2 failed: ValueError: unknown job kind 'nope'"):
         launch_workers({"kind": "nope"}, two, "cpu", tmp_path / "b", "probe")
+
+
+def test_of_ranks_failing_together_the_one_that_caused_it_is_named(tmp_path):
+    from training.launcher import _root_cause, error_file
+
+    def record(rank: int, user_error: bool) -> None:
+        error_file(tmp_path, rank).write_text(json.dumps({"type": "E", "message": "m", "user_error": user_error}))
+
+    record(0, False)  # rank 0 lost its connection to rank 1, which was killed without a word
+    assert _root_cause([0, 1], tmp_path) == 1
+    record(1, False)
+    assert _root_cause([0, 1], tmp_path) == 0
+    record(1, True)  # a user error says most
+    assert _root_cause([0, 1], tmp_path) == 1
