@@ -83,7 +83,7 @@ def _print_status(status: dict, state) -> None:
 
     console = Console()
     table = Table(title=f"{status['model']} behind {status['gateway'] or '(gateway not running)'}"
-                        + "".join(f", {url}" for url in status["other_gateways"]) + f" ({status['backend']} backend)")
+                        + "".join(f", {url}" for url in status["other_gateways"]) + f" (replicas: {status['backend']})")
     for column in ("variant", "version", "replicas (healthy)", "traffic"):
         table.add_column(column)
     for row in status["variants"]:
