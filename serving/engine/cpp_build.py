@@ -6,16 +6,23 @@ present. The extension's name, and so its cache directory, carries a hash of thi
 every file of the extension, its headers included: a cache shared between hosts never hands one host's binary
 to another, and a changed .cpp or .h builds afresh. ``build`` returns None, and the caller keeps its torch
 path, when a file is missing, there is no compiler, the build fails, or ``LLM_LIFECYCLE_CPU_KERNELS=0``.
+
+Builds are serialised by an ``flock`` on ``<build dir>.flock``, which the kernel releases when its holder dies.
+torch's own guard is a ``lock`` file in the build directory that a builder killed mid-compile (a restart, an
+OOM kill, a CI timeout) leaves behind, and every later ``load`` then waits on it forever: that hung a whole CI
+run at test collection. Holding our flock proves no live builder of ours owns such a file, so it is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -44,6 +51,23 @@ def build_tag(files: Sequence[Path]) -> str:
     return digest.hexdigest()[:10]
 
 
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold the build lock of ``build_dir`` (waiting for a live builder to finish), with any ``lock`` file a dead
+    builder left there removed: only a holder of this flock creates one, and the flock died with its holder."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.with_name(build_dir.name + ".flock"), "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that died mid-compile", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def build(name: str, files: Sequence[Path]) -> ModuleType | None:
     """Compile the extension made of ``files`` (its .cpp sources, which are compiled, and the headers they
     include) for this CPU, cached per CPU-flag set and file contents; or None when it cannot be built here: a
@@ -62,7 +86,7 @@ def build(name: str, files: Sequence[Path]) -> ModuleType | None:
         return None
     sources = [str(f) for f in files if f.suffix == ".cpp"]
     tag = build_tag(files)
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     # -fopenmp: at::parallel_for splits work over threads only when the extension itself is built with OpenMP
     # (without it the pragma inside ATen's header is ignored and every kernel runs on one thread); the extension
@@ -70,9 +94,12 @@ def build(name: str, files: Sequence[Path]) -> ModuleType | None:
     # still gets the kernels, single-threaded.
     attempts = [("", ["-fopenmp"], ["-fopenmp"]), ("_serial", ["-fopenmp-simd"], [])]
     for suffix, cflags, ldflags in attempts:
+        module_name = f"{name}_{tag}{suffix}"
+        build_dir = Path(_get_build_directory(module_name, False))  # $TORCH_EXTENSIONS_DIR or torch's default
         try:
-            module = load(f"{name}_{tag}{suffix}", sources=sources,
-                          extra_cflags=["-O3", "-march=native", *cflags], extra_ldflags=ldflags)
+            with exclusive_build(build_dir):
+                module = load(module_name, sources=sources, build_directory=str(build_dir),
+                              extra_cflags=["-O3", "-march=native", *cflags], extra_ldflags=ldflags)
         except Exception as e:  # any build or load failure: try the next flags, then the torch path
             log.warning("CPU kernels %s did not build with %s (%s: %s)", name, " ".join(cflags),
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")

@@ -1,6 +1,6 @@
 """Building the C++ extensions (serving/engine/cpp_build.py): the build cache is keyed by every file of the
 extension, headers included, so a changed .cpp or .h builds afresh, and a file that is not there leaves the torch
-path instead of failing."""
+path instead of failing; a build killed mid-compile does not block the next one."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def test_every_extension_file_ships_in_csrc():
 @pytest.mark.parametrize("missing", ["missing.cpp", "missing.h"])
 def test_a_missing_file_means_torch_path(monkeypatch, tmp_path, missing):
     monkeypatch.delenv(cpp_build.ENV_SWITCH, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setattr(cpp_build.shutil, "which", lambda name: "/usr/bin/c++")
     builds = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load",
@@ -57,3 +58,26 @@ def test_a_missing_file_means_torch_path(monkeypatch, tmp_path, missing):
     assert builds == []  # nothing compiled
     assert cpp_build.build("llm_lifecycle_present", [present, header]) is not None
     assert builds == [[str(present)]]  # the .cpp files are compiled, the headers only hashed
+
+
+TINY_EXTENSION = """#include <torch/extension.h>
+int answer() { return 42; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+"""
+
+
+@pytest.mark.timeout(600)  # the fault this guards against is a wait with no end
+def test_a_build_killed_mid_compile_does_not_block_the_next(monkeypatch, tmp_path):
+    """A builder killed mid-compile leaves torch's ``lock`` file in the build directory (planted here, as such a
+    kill would); the next build must clear it and compile, not wait on it forever as torch's ``load`` does."""
+    monkeypatch.delenv(cpp_build.ENV_SWITCH, raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY_EXTENSION)
+    name = "llm_lifecycle_tiny"
+    build_dir = tmp_path / "extensions" / f"{name}_{cpp_build.build_tag([source])}"
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    module = cpp_build.build(name, [source])
+    assert module is not None and module.answer() == 42
+    assert not (build_dir / "lock").exists()
