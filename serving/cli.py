@@ -19,8 +19,10 @@ class ServeError(LifecycleError):
     """A `serve` argument is wrong or the model cannot be served."""
 
 
-def kv_memory_bytes(text: str) -> int:
-    """``--kv-memory`` in bytes ('512MiB', '2GB', '1073741824')."""
+def kv_memory_bytes(text: str | None) -> int | None:
+    """``--kv-memory`` in bytes ('512MiB', '2GB', '1073741824'); None (not given) lets the device size the cache."""
+    if text is None:
+        return None
     try:
         return parse_size(text, "--kv-memory")
     except ValueError as exc:
@@ -30,21 +32,26 @@ def kv_memory_bytes(text: str) -> int:
 def engine_config_defaults():
     """``EngineConfig()`` and its dtypes: the flag defaults have one source, as `lifecycle eval`'s come from
     EvalConfig (``serving.engine.config`` imports no torch, so `--help` stays fast)."""
-    from serving.engine.config import _DTYPES, EngineConfig
+    from serving.engine.config import _DTYPES, CPU_KV_MEMORY_BYTES, EngineConfig
 
-    return EngineConfig(), _DTYPES
+    return EngineConfig(), _DTYPES, CPU_KV_MEMORY_BYTES
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    d, dtypes = engine_config_defaults()
+    d, dtypes, cpu_kv = engine_config_defaults()
     p.add_argument("model", help="HF model directory or a bundle directory (verified first)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: dir name)")
-    p.add_argument("--kv-memory", default=format_size(d.kv_memory_bytes),
-                   help="KV-cache memory budget, e.g. 512MiB (default: %(default)s)")
+    p.add_argument("--kv-memory", default=d.kv_memory_bytes,
+                   help=f"a fixed KV-cache memory budget, e.g. 512MiB (default: {format_size(cpu_kv)} on CPU; on a "
+                        "GPU, what --gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="on a GPU, the share of its memory this server may use: the KV cache gets what the weights "
+                        "and the activations leave of it (default: %(default)s; ignored with --kv-memory or "
+                        "--num-blocks, and on CPU)")
     p.add_argument("--num-blocks", type=int, default=d.num_blocks,
-                   help="exact number of KV blocks (overrides --kv-memory)")
+                   help="exact number of KV blocks (overrides --kv-memory and --gpu-memory-utilization)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help="sequences in the running batch at most (default: %(default)s)")
@@ -53,10 +60,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="waiting requests beyond this get HTTP 429 (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="context length (default: the model's)")
+                   help="context length; refused when beyond the model's or the KV cache's (default: the model's, "
+                        "up to what the KV cache holds for one sequence)")
     p.add_argument("--no-prefix-caching", action="store_true", default=not d.enable_prefix_caching)
     p.add_argument("--no-chunked-prefill", action="store_true", default=not d.enable_chunked_prefill)
-    p.add_argument("--dtype", default=d.dtype, choices=list(dtypes))
+    p.add_argument("--dtype", default=d.dtype, choices=list(dtypes),
+                   help="weights, activations and KV cache; auto: bfloat16 on a GPU that has it natively, float16 "
+                        "on older GPUs, float32 on CPU (default: %(default)s)")
     p.add_argument("--device", default=d.device)
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default: torch's choice)")
     p.add_argument("--model-impl", default=d.model_impl, choices=["auto", "hf", "compact"],
@@ -92,7 +102,8 @@ def engine_config_from_args(args: argparse.Namespace):
         raise ServeError(f"--speculative-model: {draft}: not a Hugging Face model directory (config.json missing)")
     try:
         return EngineConfig(block_size=args.block_size, kv_memory_bytes=kv_memory_bytes(args.kv_memory),
-                            num_blocks=args.num_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                            num_blocks=args.num_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                             max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                             enable_chunked_prefill=not args.no_chunked_prefill, dtype=args.dtype,

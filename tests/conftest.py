@@ -22,6 +22,16 @@ import torch
 torch.set_num_threads(1)  # the tests share two cores with each other's servers: one thread each is fairer
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` run only where torch sees a CUDA device: CPU CI reports them skipped, with why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def base_model_cache(tmp_path_factory) -> Path:
     """One cache root per test session, so cache hits inside a session are real and sessions are hermetic."""

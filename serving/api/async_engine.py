@@ -16,6 +16,7 @@ import time
 
 from serving.api.metrics import ServerMetrics
 from serving.engine import EngineDrainingError, InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
+from serving.engine.device_errors import describe_device_error, is_device_error
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self.error: BaseException | None = None
+        # the engine died of a device error (serving.engine.device_errors): the server exits so the fleet
+        # replaces the replica; ``on_fatal`` (set by the server) is called on the event loop when it happens
+        self.fatal = False
+        self.on_fatal = None
 
     # ----------------------------------------------------------------- what each kind provides
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -133,10 +138,14 @@ class EngineClient:
             q.put_nowait(err)
         self._queues.clear()
 
-    def _died(self, err: EngineDeadError) -> None:
-        """The engine stopped for good (any thread): fail what is in flight; /health and /ready turn 503."""
+    def _died(self, err: EngineDeadError, fatal: bool = False) -> None:
+        """The engine stopped for good (any thread): fail what is in flight; /health and /ready turn 503.
+        ``fatal`` (a device error): then tell the server, which exits once those answers are written."""
         self.error = err
+        self.fatal = fatal
         self._call_soon(self._fail_all, err)
+        if fatal and self.on_fatal is not None:
+            self._call_soon(self.on_fatal)
 
 
 class AsyncEngine(EngineClient):
@@ -184,6 +193,10 @@ class AsyncEngine(EngineClient):
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a bug or device failure: fail loudly, never hang clients
+                if is_device_error(e):
+                    log.critical("engine step failed: %s", describe_device_error(e))
+                    self._died(EngineDeadError(describe_device_error(e)), fatal=True)
+                    return
                 log.exception("engine step failed")
                 self._died(EngineDeadError(str(e)))
                 return

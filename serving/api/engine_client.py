@@ -8,7 +8,8 @@ limits the core reported when it started, so a bad request is answered 400 witho
 
 ``EngineView`` is what the handlers read about the engine (tokenizer, sampling defaults, context length,
 stats) without the engine in this process. If the core process dies, every request in flight ends with a
-503, /health and /ready turn 503, and nothing hangs.
+503, /health and /ready turn 503, and nothing hangs; if it died of a device error, the server then exits
+non-zero (``serving.engine.device_errors``).
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ class ProcessEngineClient(EngineClient):
 
     def _read(self) -> None:
         reason = "the engine core process closed its pipe"
+        device_error = False
         while True:
             try:
                 message = self._conn.recv()
@@ -200,13 +202,17 @@ class ProcessEngineClient(EngineClient):
                 self._call_soon(self._fail_one, message.request_id, message.error)
             elif isinstance(message, CoreFailed):
                 reason = f"the engine core failed: {message.error}"
+                device_error = message.device_error
                 break
         if self._stopping:
             return
         self._proc.join(1.0)
         reason += f" (process {self.pid} {_how_it_ended(self._proc.exitcode)})"
-        log.error("engine stopped: %s; answering 503 until the server is restarted", reason)
-        self._died(EngineDeadError(reason))
+        if device_error:  # the server exits once in-flight requests have their 503 (server.DrainingServer)
+            log.error("engine stopped: %s; answering 503 to what is in flight, then exiting", reason)
+        else:
+            log.error("engine stopped: %s; answering 503 until the server is restarted", reason)
+        self._died(EngineDeadError(reason), fatal=device_error)
 
 
 def _how_it_ended(exitcode: int | None) -> str:

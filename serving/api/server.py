@@ -20,6 +20,7 @@ from serving.api.app import build_app
 from serving.api.common import ServerState
 from serving.api.engine_client import EngineView, ProcessEngineClient
 from serving.engine import EngineConfig, LLMEngine
+from serving.engine.device_errors import DeviceFailedError
 from serving.engine.generation_defaults import SamplingDefaults
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,9 @@ def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                engine_config: EngineConfig | None = None, served_model_name: str | None = None,
                drain_timeout_s: float = 30.0, log_level: str = "info", verify: bool = True,
                engine_process: bool = True) -> None:
-    """Load, verify, warm up and serve until SIGTERM/SIGINT; SIGTERM drains in-flight requests first.
+    """Load, verify, warm up and serve until SIGTERM/SIGINT; SIGTERM drains in-flight requests first. A device
+    error in the engine ends the server too, with DeviceFailedError (exit status 2 from the CLI), once the
+    requests in flight have their 503: a fresh process is the only cure for a poisoned CUDA context.
 
     With ``engine_process`` the engine steps in its own process (``serving.engine.core_process``) and this
     one only speaks HTTP; without it, in a thread of this process. /ready answers 200 only once loading,
@@ -95,6 +98,9 @@ def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                                access_log=False, timeout_graceful_shutdown=_FINAL_WRITE_S,
                                timeout_keep_alive=KEEP_ALIVE_S)
     DrainingServer(uv_config, app.state.serving, drain_timeout_s).run()
+    client = app.state.serving.async_engine
+    if client.fatal:
+        raise DeviceFailedError(f"{client.error}; the server exits so that the replica is replaced")
 
 
 class DrainingServer(uvicorn.Server):
@@ -108,6 +114,12 @@ class DrainingServer(uvicorn.Server):
         self._state = state
         self._drain_timeout_s = drain_timeout_s
         self._draining_started = False
+        state.async_engine.on_fatal = self._exit_after_device_error
+
+    def _exit_after_device_error(self) -> None:
+        """On the event loop, after the in-flight requests were failed: stop serving (run_server raises)."""
+        log.error("the engine's device failed; exiting so that the replica is replaced")
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if sig != signal.SIGTERM or self._draining_started:

@@ -7,26 +7,33 @@ from dataclasses import dataclass
 from typing import Optional
 
 _DTYPES = ("float32", "float16", "bfloat16", "auto")
+# the KV cache's budget where no flag sizes it and the device is not a GPU (a GPU's comes from its free memory)
+CPU_KV_MEMORY_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
 class EngineConfig:
     """Knobs of the continuous-batching engine.
 
-    The KV cache is sized either by ``num_blocks`` (exact, used by tests that force preemption) or by
-    ``kv_memory_bytes`` (a memory budget, the way a deployment thinks about it).
+    The KV cache is sized by ``num_blocks`` (exact, used by tests that force preemption), else by
+    ``kv_memory_bytes`` (a fixed budget, the way a deployment thinks about it), else by the device: on a GPU
+    from ``gpu_memory_utilization`` (the share of the device's memory this engine may use, as in vLLM) once
+    the weights are loaded and a profile forward has measured the activations; elsewhere
+    ``CPU_KV_MEMORY_BYTES``. ``dtype="auto"`` is bf16 on a GPU that has it, fp16 on older GPUs, fp32 on CPU
+    (``serving.engine.device_facts``).
     """
 
     block_size: int = 16
-    kv_memory_bytes: int = 256 * 1024 * 1024
+    kv_memory_bytes: Optional[int] = None
     num_blocks: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_queue: int = 256
     max_model_len: Optional[int] = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     threads: Optional[int] = None
     # seeds the sampler's generator, which requests without their own ``seed`` draw from
@@ -51,8 +58,11 @@ class EngineConfig:
             raise ValueError(f"block_size: must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {self.num_blocks}")
-        if self.num_blocks is None and self.kv_memory_bytes <= 0:
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
             raise ValueError(f"kv_memory_bytes: must be > 0, got {self.kv_memory_bytes}")
+        if isinstance(self.gpu_memory_utilization, bool) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1] (the share of the device's memory the "
+                             f"engine may use), got {self.gpu_memory_utilization}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:

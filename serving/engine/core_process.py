@@ -10,7 +10,9 @@ the API sends lists of ``AddRequest`` / ``AbortRequest`` / ``Shutdown``; this si
 The core never waits for the API side: it drains whatever arrived before each step and sends the step's
 outputs in one message, which the API's reader thread takes off the pipe at once. When the API process
 goes away (the pipe closes) the core exits; signals are left to the API process, which decides when the
-core stops (a drain ends with ``Shutdown``).
+core stops (a drain ends with ``Shutdown``). A device error (``serving.engine.device_errors``) is reported as a
+``CoreFailed`` with ``device_error`` set, and the core exits with ``DEVICE_ERROR_EXIT`` at once, without the
+interpreter's teardown, which would touch the poisoned CUDA context again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from serving.engine.config import EngineConfig
+from serving.engine.device_errors import DEVICE_ERROR_EXIT, describe_device_error, is_device_error
 from serving.engine.errors import EngineError
 from serving.engine.limits import RequestLimits
 from serving.engine.outputs import EngineStats, RequestOutput
@@ -62,9 +65,11 @@ class CoreReady:
 
 @dataclass
 class CoreFailed:
-    """The core could not start, or its step loop broke: ``error`` is one line for the operator."""
+    """The core could not start, or its step loop broke: ``error`` is one line for the operator.
+    ``device_error``: the device failed, and the server should exit so the replica is replaced."""
 
     error: str
+    device_error: bool = False
 
 
 @dataclass
@@ -103,11 +108,29 @@ def run_engine_core(model_dir: str, config: EngineConfig, conn: Connection, log_
     except (EOFError, OSError):
         pass  # the API process is gone: nobody to serve
     except Exception as exc:  # noqa: BLE001 - a broken loop is reported, then the process ends
+        if is_device_error(exc):
+            _exit_on_device_error(conn, exc)
         log.exception("engine core failed")
         try:
             conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
+
+
+def _exit_on_device_error(conn: Connection, exc: BaseException) -> None:
+    """Report a device error in one line, then leave with ``DEVICE_ERROR_EXIT``: ``os._exit`` skips the
+    teardown (freeing tensors, CUDA's own exit handlers), which could hang or fail again on the poisoned
+    context. The pipe's message is already written when ``send`` returns."""
+    import os
+
+    line = describe_device_error(exc)
+    log.critical("%s; exiting with status %d so the replica is replaced", line, DEVICE_ERROR_EXIT)
+    try:
+        conn.send(CoreFailed(line, device_error=True))
+    except OSError:
+        pass
+    logging.shutdown()
+    os._exit(DEVICE_ERROR_EXIT)
 
 
 def _step_loop(engine, conn: Connection) -> None:

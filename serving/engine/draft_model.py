@@ -30,7 +30,8 @@ whose pass costs more than a target step waits the longest between measurement p
 guesses kept would pay for it.
 
 The draft never fails the target: a sequence whose draft cannot get blocks, or whose pass raises (alone, once
-the batch is retried piecewise), gets no guess this step. A request's draft blocks go back when it leaves the
+the batch is retried piecewise), gets no guess this step; a device error alone ends the engine, as in the
+target (``serving.engine.device_errors``). A request's draft blocks go back when it leaves the
 engine (``release``), and any request missing from a step's greedy decodes (preempted, say) is released too.
 """
 
@@ -45,6 +46,7 @@ from typing import Any
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
+from serving.engine.device_errors import is_device_error
 from serving.engine.errors import ModelLoadError
 from serving.engine.model_runner import ModelRunner
 from serving.engine.sampling_params import SamplingParams
@@ -133,6 +135,8 @@ class DraftModelProposer:
                 self._step_cost = (time.perf_counter() - started - sum(self._long_passes)) / self._passes
             return guesses
         except Exception as exc:  # noqa: BLE001 - a draft bug costs this step's guesses, never a request
+            if is_device_error(exc):
+                raise  # the device is the target's too: the engine ends (serving.engine.device_errors)
             self._warn(exc)
             for seq in seqs:
                 self.release(seq.request_id)
@@ -280,6 +284,8 @@ class DraftModelProposer:
         try:
             step = self.runner.execute(items, sample)
         except Exception as exc:  # noqa: BLE001 - see the docstring
+            if is_device_error(exc):
+                raise
             if len(items) == 1:
                 self._warn(exc)
                 return {}

@@ -21,6 +21,7 @@ from typing import Any
 from artifacts.common.stop_tokens import stop_token_ids
 from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
+from serving.engine.device_memory import derive_max_model_len
 from serving.engine.draft_model import DraftModelProposer, draft_cache_blocks
 from serving.engine.errors import InvalidRequestError, QueueFullError
 from serving.engine.executor import ModelExecutor
@@ -44,9 +45,9 @@ class LLMEngine:
         self.config = config
         self.sampling_defaults = sampling_defaults  # the model's, for fields a request leaves out
         self.eos_token_ids = eos_token_ids
-        # the context a request may use: the model's, the config's, and what the KV cache can hold at all
-        capacity = runner.num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or runner.max_position, runner.max_position, capacity)
+        # the context a request may use: the config's, else the model's as far as the KV cache holds it
+        self.max_model_len = derive_max_model_len(runner.max_position, config.max_model_len, runner.num_blocks,
+                                                  config.block_size, runner.cache_flag)
         self.executor = ModelExecutor(runner, Sampler(seed=config.seed))
         self.scheduler = Scheduler(config, runner.num_blocks, self.max_model_len,
                                    _make_proposer(config, runner, tokenizer))
@@ -116,8 +117,9 @@ class LLMEngine:
 
         A failure while computing the batch is isolated: each sequence is re-run alone and only those
         that fail alone are finished with ``finish_reason="error"``, so one request's failure fails that
-        request and never the engine. A replica whose every request fails (a lost device) still answers
-        /health: its 5xx rate is what the gateway ejects it on, and what alerts read from /metrics.
+        request and never the engine. A device error (a CUDA error, ``serving.engine.device_errors``) is not
+        isolated: it poisons the device for every request, so it is raised from here, and the engine-core
+        process exits with it (the replica is replaced).
         """
         outputs = self._drain_inbox()
         plan = self.scheduler.schedule()

@@ -3,7 +3,8 @@
 Why apart from the scheduler: a forward that raises must fail only the request that makes it raise. Since
 executing changes nothing (KV writes are idempotent), a failed batch is simply re-run one sequence at a
 time, and only the sequences that fail alone carry an error into ``ModelOutput``; the scheduler then
-commits the others as if the batch had not failed.
+commits the others as if the batch had not failed. A device error (``device_errors.is_device_error``) is the
+exception: it poisons the CUDA context for every request, so it is raised out of the step, never isolated.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+from serving.engine.device_errors import is_device_error
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import ModelOutput
 from serving.engine.sampler import Sampler, prompt_logprobs
@@ -27,11 +29,14 @@ class ModelExecutor:
         self.sampler = sampler
 
     def execute(self, scheduled: list[ScheduledSeq]) -> ModelOutput:
-        """What the step computed; never raises for a sequence's sake (see the module docstring)."""
+        """What the step computed; never raises for a sequence's sake, only for the device's (see the module
+        docstring)."""
         started = time.perf_counter()
         try:
             out = self._compute(scheduled)
         except Exception as exc:  # noqa: BLE001 - isolate whatever went wrong, then decide
+            if is_device_error(exc):
+                raise
             return self._isolate(scheduled, exc)
         out.forward_seconds = time.perf_counter() - started
         return out
@@ -67,6 +72,8 @@ class ModelExecutor:
             try:
                 alone = self._compute([item])
             except Exception as exc:  # noqa: BLE001
+                if is_device_error(exc):
+                    raise
                 out.errors[i] = exc
                 continue
             out.sample_flags[i] = alone.sample_flags[0]

@@ -22,8 +22,16 @@ import torch
 from artifacts.common.device import pick_device
 from serving.engine import attention, cpu_kernels
 from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, bucket_by_length
-from serving.engine.config import EngineConfig
+from serving.engine.config import CPU_KV_MEMORY_BYTES, EngineConfig
 from serving.engine.dequantize import dequantize_linears, is_quantized
+from serving.engine.device_facts import probe, resolve_dtype
+from serving.engine.device_memory import (
+    CudaMemoryProbe,
+    blocks_in_budget,
+    kv_block_bytes,
+    kv_cache_bytes,
+    profile_forward,
+)
 from serving.engine.errors import ModelLoadError
 from serving.engine.int4_linear import Int4Linear
 from serving.engine.scheduler import ScheduledSeq
@@ -51,7 +59,10 @@ class ModelRunner:
         self.device = pick_device(config.device)
         if config.threads and self.device.type == "cpu":
             torch.set_num_threads(config.threads)
-        self.dtype = self._resolve_dtype(model_dir)
+        self.device_facts = probe(self.device)
+        self.dtype = _DTYPES[resolve_dtype(config.dtype, self.device_facts)]
+        # a GPU's cache is sized from what the load leaves: its memory is read before the weights arrive
+        memory = CudaMemoryProbe(self.device) if self._sized_by_device_memory() else None
         self.model = self._load(model_dir)
         self.compact = self._maybe_compact()
         hf = self.model.config
@@ -63,12 +74,13 @@ class ModelRunner:
         self.vocab_size = text_cfg.vocab_size
         self.max_position = getattr(text_cfg, "max_position_embeddings", 2048)
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks()
-        cache_dtype = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) \
+        self.cache_dtype = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) \
             else torch.float32
+        self.decode_kernel = self.prefill_kernel = None  # the profile forward runs on the torch path
+        self.num_blocks, self.cache_flag = self._num_blocks(memory)
         # per layer [num_blocks, block_size, kv_heads, head_dim], preallocated once
         self.k_caches = [torch.zeros(self.num_blocks, self.block_size, self.kv_heads, self.head_dim,
-                                     dtype=cache_dtype, device=self.device) for _ in range(self.num_layers)]
+                                     dtype=self.cache_dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
         # decode attention straight from the blocks (C++, fp32 CPU) when it builds; else bucketed SDPA
         kernels = cpu_kernels.load() if cpu_kernels.supported(self.k_caches[0]) else None
@@ -78,10 +90,10 @@ class ModelRunner:
             and self.head_dim in cpu_kernels.PREFILL_HEAD_DIMS else None
 
     # ----------------------------------------------------------------- loading
-    def _resolve_dtype(self, model_dir: str | Path) -> torch.dtype:
-        if self.config.dtype != "auto":
-            return _DTYPES[self.config.dtype]
-        return torch.float32 if self.device.type == "cpu" else torch.bfloat16
+    def _sized_by_device_memory(self) -> bool:
+        """No flag fixes the cache and the device is a GPU: ``gpu_memory_utilization`` sizes it."""
+        c = self.config
+        return c.num_blocks is None and c.kv_memory_bytes is None and self.device.type == "cuda"
 
     def _load(self, model_dir: str | Path) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -128,16 +140,25 @@ class ModelRunner:
                      sum(p.out_features * p.in_features * 4 for p in packed) / 1e6)
         return compact
 
-    def _num_blocks(self) -> int:
-        if self.config.num_blocks is not None:
-            return self.config.num_blocks
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_block = 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * elem
-        n = self.config.kv_memory_bytes // per_block
-        if n < 1:
-            raise ModelLoadError(f"kv_memory_bytes: {self.config.kv_memory_bytes} bytes hold no KV block "
-                                 f"(one block needs {per_block})")
-        return int(n)
+    def _num_blocks(self, memory: CudaMemoryProbe | None) -> tuple[int, str]:
+        """The cache's blocks, and the flag that sized it (error messages name it): ``--num-blocks``, a fixed
+        budget (``--kv-memory``, or the CPU default), or the GPU's free memory (``device_memory``)."""
+        c = self.config
+        if c.num_blocks is not None:
+            return c.num_blocks, "--num-blocks"
+        elem = torch.tensor([], dtype=self.cache_dtype).element_size()
+        per_block = kv_block_bytes(self.num_layers, self.block_size, self.kv_heads, self.head_dim, elem)
+        if memory is None:
+            return blocks_in_budget(c.kv_memory_bytes or CPU_KV_MEMORY_BYTES, per_block, "--kv-memory"), \
+                "--kv-memory"
+        facts = memory.measure(lambda: profile_forward(self, c.max_num_batched_tokens, c.max_num_seqs))
+        budget = kv_cache_bytes(facts, c.gpu_memory_utilization)
+        n = blocks_in_budget(budget, per_block, "--gpu-memory-utilization")
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB) from %g of %s's %.1f GiB, after the weights (%.2f GiB) "
+                 "and the activation peak (%.2f GiB)", n, self.block_size, n * per_block / 2 ** 30,
+                 c.gpu_memory_utilization, self.device_facts.describe(), facts.total / 2 ** 30,
+                 facts.weights / 2 ** 30, facts.activation_peak / 2 ** 30)
+        return n, "--gpu-memory-utilization"
 
     # ----------------------------------------------------------------- batch preparation
     def _prepare(self, scheduled: list[ScheduledSeq]):

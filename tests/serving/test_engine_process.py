@@ -34,6 +34,27 @@ def _engine_core(server: subprocess.Popen) -> psutil.Process:
         time.sleep(0.1)
 
 
+def start_stream(base: str, max_tokens: int, timeout: float) -> tuple[list[str], threading.Thread]:
+    """A streaming completion read in a thread: its `data:` payloads so far, and the thread, once the first
+    token has come."""
+    events: list[str] = []
+    first_token = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=timeout) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[len("data: "):])
+                    first_token.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first_token.wait(timeout), "the stream never started"
+    return events, reader
+
+
 def _stop(proc: subprocess.Popen) -> str:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -52,21 +73,7 @@ def test_a_killed_engine_process_ends_streams_with_503_and_turns_ready_false(tin
     server, base = _start_server(tiny_model_dir)
     try:
         core = _engine_core(server)
-        events: list[str] = []
-        first_token = threading.Event()
-
-        def stream() -> None:
-            body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        events.append(line[len("data: "):])
-                        first_token.set()
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert first_token.wait(30), "the stream never started"
+        events, reader = start_stream(base, max_tokens=200, timeout=30)
         killed_at = time.monotonic()
         core.send_signal(signal.SIGKILL)
         reader.join(timeout=15)

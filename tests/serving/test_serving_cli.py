@@ -42,6 +42,32 @@ def test_serve_arguments_map_to_engine_config(tmp_path):
     assert args.func is cmd_serve and args.port == 9000
 
 
+def test_device_memory_flags_map_and_bad_values_are_one_line(tiny_model_dir, capsys):
+    """--gpu-memory-utilization reaches the config; out of (0, 1] it is one line and exit 2 before anything
+    loads. --kv-memory left out means the device sizes the cache (256 MiB on CPU, a share of a GPU)."""
+    args = parser().parse_args(["serve", str(tiny_model_dir), "--gpu-memory-utilization", "0.5"])
+    cfg = engine_config_from_args(args)
+    assert cfg.gpu_memory_utilization == 0.5 and cfg.kv_memory_bytes is None and cfg.dtype == "auto"
+    for bad in ("1.5", "0", "-0.1", "nan"):
+        assert main(["serve", str(tiny_model_dir), "--gpu-memory-utilization", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("error: serve: gpu_memory_utilization: must be in (0, 1]"), err
+
+
+def test_a_max_model_len_beyond_the_model_is_one_line_and_exit_2(tiny_model_dir):
+    """The engine core refuses a context the model cannot serve (the tiny model's is 512) rather than cut it
+    silently; the server exits 2 with that line before it binds its port."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "serving.cli", "serve", str(tiny_model_dir), "--port", "1",
+                           "--threads", "1", "--max-model-len", "4096"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: --max-model-len 4096: the model's context is 512 tokens (max_position_embeddings); "
+                     "lower --max-model-len"], done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_bad_model_dir_is_one_line_error(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err
@@ -137,12 +163,15 @@ def test_serve_flag_defaults_are_engine_config_defaults(tmp_path):
     assert kv_memory_bytes(args.kv_memory) == defaults.kv_memory_bytes
 
 
-def _start_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def _start_server(model_dir: Path, *extra: str, entry: tuple[str, ...] = ("-m", "serving.cli"),
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A real `serve` process on a free port, once /ready answers; ``entry`` and ``env`` (added to this
+    process's) let a test start it through a wrapper (tests/serving/device_fault.py)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", str(model_dir), "--port", str(port),
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.Popen([sys.executable, *entry, "serve", str(model_dir), "--port", str(port),
                              "--served-model-name", "micro", "--threads", "1", *extra],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
