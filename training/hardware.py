@@ -14,7 +14,7 @@ import torch
 from artifacts.common.device import pick_device
 from training.stage_config import TrainingError
 
-__all__ = ["Hardware", "TrainingError", "check_4bit_support", "configure_threads", "detect_hardware",
+__all__ = ["Hardware", "TrainingError", "check_4bit_support", "configure_threads", "detect_hardware", "native_bf16",
            "trainer_hardware_kwargs"]
 
 
@@ -29,9 +29,18 @@ class Hardware:
 
 
 def detect_hardware() -> Hardware:
-    """CUDA if present (bf16 when the GPU supports it), else CPU in fp32 (CPUs without native bf16 emulate it)."""
+    """CUDA if present (bf16 when the GPU computes it natively: Ampere on), else CPU in fp32 (CPUs without native
+    bf16 emulate it). torch's plain ``is_bf16_supported()`` also says yes for emulated bf16 on older GPUs, where
+    autocast to bf16 runs several times slower than fp32; those train in fp32."""
     device = pick_device().type
-    return Hardware(device=device, bf16=device == "cuda" and bool(torch.cuda.is_bf16_supported()))
+    return Hardware(device=device, bf16=device == "cuda" and native_bf16())
+
+
+def native_bf16() -> bool:
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # a torch without the argument
+        return torch.cuda.get_device_capability() >= (8, 0)
 
 
 def configure_threads() -> int:

@@ -4,7 +4,7 @@ distillation share.
 Why one loop: both draw ``batch_size`` windows of ``seq_len`` tokens from a long stream each step, step AdamW
 (weight decay on matrices only) at a per-step learning rate, clip gradients at 1.0 and log running means of
 the loss; only the loss differs (next-token cross-entropy for the embedded base model, KL to the target for a
-draft). On CUDA the forward runs under bf16 autocast.
+draft). On CUDA the forward runs under bf16 autocast where the GPU computes bf16 natively.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from training.hardware import native_bf16
 from training.ranks import is_main_process, rank, world_size
 
 __all__ = ["WindowSchedule", "train_on_windows"]
@@ -66,7 +67,7 @@ def train_on_windows(model: torch.nn.Module, stream: torch.Tensor, schedule: Win
     steps, losses, lrs = [], [], []
     running, count, tokens = 0.0, 0, 0
     start = time.perf_counter()
-    use_bf16 = device.type == "cuda"
+    use_bf16 = device.type == "cuda" and native_bf16()  # emulated bf16 (pre-Ampere) is slower than fp32
     bar = tqdm(range(schedule.steps), desc=schedule.label, unit="step", mininterval=2.0,
                disable=not is_main_process())
     for step in bar:
