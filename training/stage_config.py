@@ -93,7 +93,7 @@ class _StageBase:
             raise ValueError(f"lr_scheduler: unknown schedule {self.lr_scheduler!r}")
         share = self.distributed.per_process(self.batch_size)
         group = getattr(self, "num_generations", None)  # GRPO: each process samples and scores whole groups
-        if group and share % group:
+        if group and share % group and self.distributed.num_processes > 1:  # one process: GRPO's own message
             raise ValueError(f"distributed.num_processes: each of {self.distributed.num_processes} processes gets "
                              f"{share} of batch_size {self.batch_size} completions, not a multiple of "
                              f"num_generations ({group}); each process samples whole groups")
