@@ -147,7 +147,7 @@ def test_a_local_model_of_an_unsupported_family_is_refused(tmp_path):
                                      "type")
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "smoke.yaml", "drill-broken-refusals.yaml"])
+@pytest.mark.parametrize("name", ["default.yaml", "smoke.yaml", "smoke-distributed.yaml", "drill-broken-refusals.yaml"])
 def test_shipped_recipes_pass(name):
     preflight(load_recipe(CONFIGS / name), CONFIGS / name)
 

@@ -4,6 +4,9 @@ path instead of failing; a build killed mid-compile does not block the next one.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch.utils.cpp_extension
 
@@ -60,10 +63,7 @@ def test_a_missing_file_means_torch_path(monkeypatch, tmp_path, missing):
     assert builds == [[str(present)]]  # the .cpp files are compiled, the headers only hashed
 
 
-TINY_EXTENSION = """#include <torch/extension.h>
-int answer() { return 42; }
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
-"""
+TINY_EXTENSION = Path(__file__).with_name("csrc") / "tiny_extension.cpp"
 
 
 @pytest.mark.timeout(600)  # the fault this guards against is a wait with no end
@@ -73,7 +73,7 @@ def test_a_build_killed_mid_compile_does_not_block_the_next(monkeypatch, tmp_pat
     monkeypatch.delenv(cpp_build.ENV_SWITCH, raising=False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     source = tmp_path / "tiny.cpp"
-    source.write_text(TINY_EXTENSION)
+    shutil.copy(TINY_EXTENSION, source)
     name = "llm_lifecycle_tiny"
     build_dir = tmp_path / "extensions" / f"{name}_{cpp_build.build_tag([source])}"
     build_dir.mkdir(parents=True)
