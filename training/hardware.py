@@ -14,7 +14,7 @@ import torch
 from artifacts.common.device import pick_device
 from training.stage_config import TrainingError
 
-__all__ = ["Hardware", "TrainingError", "check_4bit_support", "configure_threads", "detect_hardware", "native_bf16",
+__all__ = ["Hardware", "TrainingError", "check_4bit_support", "configure_threads", "detect_hardware",
            "trainer_hardware_kwargs"]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from training.hardware import native_bf16
+from artifacts.common.device import has_native_bf16
 from training.ranks import is_main_process, rank, world_size
 
 __all__ = ["WindowSchedule", "train_on_windows"]
@@ -67,7 +67,7 @@ def train_on_windows(model: torch.nn.Module, stream: torch.Tensor, schedule: Win
     steps, losses, lrs = [], [], []
     running, count, tokens = 0.0, 0, 0
     start = time.perf_counter()
-    use_bf16 = device.type == "cuda" and native_bf16()  # emulated bf16 (pre-Ampere) is slower than fp32
+    use_bf16 = has_native_bf16(device)  # emulated bf16 (pre-Ampere) is slower than fp32
     bar = tqdm(range(schedule.steps), desc=schedule.label, unit="step", mininterval=2.0,
                disable=not is_main_process())
     for step in bar:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from artifacts.common.device import BF16_CAPABILITY, has_native_bf16
 from serving.engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceFacts", "auto_dtype", "probe", "resolve_dtype"]
 
-# the first compute capability with bf16 tensor cores (Ampere)
-BF16_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True)
@@ -70,9 +69,5 @@ def probe(device: torch.device) -> DeviceFacts:
         return DeviceFacts(device.type)
     index = device.index if device.index is not None else torch.cuda.current_device()
     capability = tuple(torch.cuda.get_device_capability(index))
-    with torch.cuda.device(index):
-        try:
-            native = bool(torch.cuda.is_bf16_supported(including_emulation=False))
-        except TypeError:  # a torch without the argument: decide from the capability
-            native = capability >= BF16_CAPABILITY
-    return DeviceFacts("cuda", (capability[0], capability[1]), native, torch.cuda.get_device_name(index))
+    return DeviceFacts("cuda", (capability[0], capability[1]), has_native_bf16(device),
+                       torch.cuda.get_device_name(index))

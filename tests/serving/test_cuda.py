@@ -20,10 +20,11 @@ import random
 import pytest
 import torch
 
+from artifacts.common.device import BF16_CAPABILITY
 from serving.engine import EngineConfig, LLMEngine, ModelLoadError, SamplingParams
 from serving.engine.core_process import CoreFailed
 from serving.engine.device_errors import DEVICE_ERROR_EXIT
-from serving.engine.device_facts import BF16_CAPABILITY, probe
+from serving.engine.device_facts import probe
 from serving.engine.device_memory import kv_block_bytes
 from tests.serving import device_fault
 from tests.serving.conftest import build_tiny_model

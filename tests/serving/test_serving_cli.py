@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from artifacts.common.net import free_port
 from serving.cli import ServeError, cmd_serve, engine_config_from_args, kv_memory_bytes, main, register_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,9 +96,7 @@ def _in_flight(base: str) -> float:
 
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_then_exits(micro_base_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", str(micro_base_dir), "--port", str(port),
                              "--served-model-name", "micro", "--threads", "1", "--max-num-seqs", "1",
@@ -167,9 +165,7 @@ def _start_server(model_dir: Path, *extra: str, entry: tuple[str, ...] = ("-m", 
                   env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """A real `serve` process on a free port, once /ready answers; ``entry`` and ``env`` (added to this
     process's) let a test start it through a wrapper (tests/serving/device_fault.py)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.Popen([sys.executable, *entry, "serve", str(model_dir), "--port", str(port),
                              "--served-model-name", "micro", "--threads", "1", *extra],
