@@ -85,6 +85,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --speculative-model: take the n-gram lookup's guesses where the context repeats and "
                         "they promise more than the draft's, the draft's elsewhere (default: on; "
                         "--no-speculative-lookup asks the draft alone)")
+    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "triton", "torch"],
+                   help="attention kernels: auto is Triton's paged kernels on a GPU, the C++ ones for fp32 on CPU, "
+                        "torch ops elsewhere; triton or torch forces one (default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                   help="run every step eagerly: no CUDA graphs for decode steps on a GPU (for comparison, or "
+                        "to save the graphs' memory and capture time)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets in-flight requests run; then they are ended and the process exits "
                         "(default: %(default)s)")
@@ -111,7 +117,8 @@ def engine_config_from_args(args: argparse.Namespace):
                             model_impl=args.model_impl, dequantize=args.dequantize,
                             speculative_tokens=args.speculative_tokens,
                             speculative_model=args.speculative_model,
-                            speculative_lookup=args.speculative_lookup)
+                            speculative_lookup=args.speculative_lookup,
+                            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
     except ValueError as e:
         raise ServeError(f"serve: {e}") from e
 

@@ -19,6 +19,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # the engine's Triton kernels run on CPU tensors under triton's interpreter, which triton reads when a kernel
+    # is decorated: set before any test module (or a library such as bitsandbytes) first imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(1)  # the tests share two cores with each other's servers: one thread each is fairer
 
 

@@ -3,8 +3,10 @@
 ``ProcessEngineClient`` is the ``EngineClient`` the handlers use when the engine runs in its own process
 (``serving.engine.core_process``). Two threads keep the event loop off the pipe in both directions: a
 writer sends what the handlers queued (several messages in one write when they pile up), a reader takes
-each step's outputs off the pipe and hands them to the loop. Requests are validated here, against the
-limits the core reported when it started, so a bad request is answered 400 without crossing over.
+each step's outputs off the pipe and hands them to the loop. The core sends what each step added to a request
+(``serving.engine.output_deltas``); the reader assembles the full ``RequestOutput`` the handlers and the
+metrics read, from the prompt and parameters sent and the deltas so far. Requests are validated here, against
+the limits the core reported when it started, so a bad request is answered 400 without crossing over.
 
 ``EngineView`` is what the handlers read about the engine (tokenizer, sampling defaults, context length,
 stats) without the engine in this process. If the core process dies, every request in flight ends with a
@@ -39,6 +41,7 @@ from serving.engine.core_process import (
 from serving.engine.errors import InvalidRequestError, ModelLoadError, QueueFullError
 from serving.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
 from serving.engine.limits import RequestLimits, validate_request
+from serving.engine.output_deltas import OutputAssembler
 from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.sampling_params import SamplingParams
 
@@ -95,6 +98,7 @@ class ProcessEngineClient(EngineClient):
         self.pid, self.limits, self.last_stats = ready.pid, ready.limits, ready.stats
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._unstarted: set[str] = set()  # sent, no output yet: the API side's view of the waiting queue
+        self._assembler = OutputAssembler()  # sent and not finished: what the core's deltas add up to
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="engine-core-writer", daemon=True)
@@ -145,7 +149,9 @@ class ProcessEngineClient(EngineClient):
             raise QueueFullError(f"queue is full ({self.limits.max_queue} requests waiting); retry later",
                                  retry_after=1.0)
         self._unstarted.add(request_id)
-        self._outbox.put(AddRequest(request_id, prompt, params, time.monotonic()))
+        message = AddRequest(request_id, prompt, params, time.monotonic())
+        self._assembler.add(request_id, prompt, params, message.arrival_time)
+        self._outbox.put(message)
 
     def _send_abort(self, request_id: str) -> None:
         self._unstarted.discard(request_id)
@@ -195,10 +201,12 @@ class ProcessEngineClient(EngineClient):
                 break
             if isinstance(message, CoreStep):
                 self.last_stats = message.stats
+                outputs = [o for o in map(self._assembler.assemble, message.deltas) if o is not None]
                 if self.metrics is not None:
-                    self.metrics.observe(message.outputs)
-                self._call_soon(self._deliver, message.outputs)
+                    self.metrics.observe(outputs)
+                self._call_soon(self._deliver, outputs)
             elif isinstance(message, RequestRejected):
+                self._assembler.discard(message.request_id)
                 self._call_soon(self._fail_one, message.request_id, message.error)
             elif isinstance(message, CoreFailed):
                 reason = f"the engine core failed: {message.error}"

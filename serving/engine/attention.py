@@ -93,6 +93,11 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None = None
     prefill_row_starts: torch.Tensor | None = None
     prefill_first_pos: torch.Tensor | None = None
+    # writes the step's K/V into the cache (``store_kv(k, v, k_cache, v_cache, slot_mapping)``, skipping slots < 0,
+    # the padding rows of a CUDA graph); None: ``index_copy_`` over the slot mapping
+    store_kv: Callable[..., None] | None = None
+    # the forward already wrote this step's K/V into the cache (``triton_rope.rope_and_store``): skip the store
+    kv_stored: bool = False
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata,
@@ -101,8 +106,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     kc, vc = meta.k_caches[layer], meta.v_caches[layer]
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
-    kc.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)  # slot = block * block_size + offset
-    vc.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.kv_stored:
+        pass
+    elif meta.store_kv is not None:
+        meta.store_kv(k, v, kc, vc, meta.slot_mapping)
+    else:
+        kc.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)  # slot = block * block_size + offset
+        vc.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     group = num_heads // kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # whole-block gathers: one contiguous row (block_size * KVH * D values) per block id

@@ -5,11 +5,16 @@ A full block is identified by a chained hash (hash of the previous block's hash 
 ids), so two sequences sharing a prompt prefix share the blocks holding it (copy-free, by reference
 count). Freed blocks keep their hash until they are handed out again, so a later request with the same
 prefix (a shared system prompt) finds them and skips that part of its prefill.
+
+Bookkeeping grows with the blocks in use, not with the cache: blocks never handed out are one counter
+(``_fresh``, every id from it up is unused), and counts and hashes live in dicts. A GPU cache sized from the
+device's memory can hold tens of millions of blocks of a small model; a list or free-list entry per block cost
+seconds and gigabytes of host memory at every engine start.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 
 from serving.engine.sequence import Sequence
 
@@ -26,23 +31,25 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.ref_counts: defaultdict[int, int] = defaultdict(int)  # block -> live references (absent: 0)
+        self.block_hash: dict[int, int] = {}  # a full block's chained hash, kept while it is free
+        self.block_tokens: dict[int, tuple[int, ...]] = {}
         self.hash_to_block: dict[int, int] = {}
-        # free blocks, least recently freed first (evicted first); O(1) removal on a prefix hit
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # blocks used before and free now, least recently freed first (evicted first); O(1) removal on a prefix
+        # hit. Blocks never used (ids from ``_fresh`` up) are handed out before any of these.
+        self.free: OrderedDict[int, None] = OrderedDict()
+        self._fresh = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
     # ----------------------------------------------------------------- queries
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_blocks - self._fresh
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.num_free_blocks
 
     def usage(self) -> float:
         """Fraction of blocks referenced by live sequences (cached-but-free blocks count as free)."""
@@ -63,7 +70,7 @@ class BlockManager:
             toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(prev, toks)
             b = self.hash_to_block.get(h)
-            if b is None or self.block_tokens[b] != toks:
+            if b is None or self.block_tokens.get(b) != toks:
                 break
             hits.append(b)
             prev = h
@@ -73,10 +80,10 @@ class BlockManager:
     def can_admit(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``seq`` (no blocks yet) can start with ``num_new_tokens`` beyond its cached prefix."""
         hits = self._lookup_prefix(seq)
-        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        revived = sum(1 for b in hits if not self.ref_counts.get(b))
         computed = len(hits) * self.block_size
         need = self.blocks_for(computed + num_new_tokens) - len(hits)
-        return need + revived <= len(self.free)
+        return need + revived <= self.num_free_blocks
 
     def admit(self, seq: Sequence) -> int:
         """Attach the cached prefix blocks to ``seq``; returns the number of tokens already computed."""
@@ -84,7 +91,7 @@ class BlockManager:
         hits = self._lookup_prefix(seq)
         prev = -1
         for b in hits:
-            if self.ref_counts[b] == 0:
+            if not self.ref_counts.get(b):
                 del self.free[b]
             self.ref_counts[b] += 1
             seq.block_table.append(b)
@@ -103,16 +110,19 @@ class BlockManager:
         need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need <= 0:
             return True
-        if need > len(self.free):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            b, _ = self.free.popitem(last=False)
-            old = self.block_hash[b]
+            if self._fresh < self.num_blocks:
+                b = self._fresh
+                self._fresh += 1
+            else:
+                b, _ = self.free.popitem(last=False)
+            old = self.block_hash.pop(b, None)
             if old is not None:
                 if self.hash_to_block.get(old) == b:
                     del self.hash_to_block[old]
-                self.block_hash[b] = None
-                self.block_tokens[b] = None
+                del self.block_tokens[b]
             self.ref_counts[b] = 1
             seq.block_table.append(b)
         return True
@@ -140,6 +150,7 @@ class BlockManager:
         for b in reversed(seq.block_table):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
+                del self.ref_counts[b]
                 self.free[b] = None
         seq.block_table = []
         seq.block_hashes = []

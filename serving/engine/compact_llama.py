@@ -17,6 +17,7 @@ one C++ call each (torch ops otherwise), which removes several small ops per lay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from serving.engine.attention import AttentionMetadata, paged_attention
 from serving.engine.int4_linear import Int4Linear
 from serving.engine.linear_backend import MKL_PACK_ROWS, use_mkl_packed
+from serving.engine.quantized_checkpoint import QuantizedLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -114,15 +116,25 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-Projection = DenseLinear | Int4Linear
+Projection = DenseLinear | Int4Linear  # | triton_int4.TritonInt4Linear on a GPU (imported where triton is)
 
 
-def _projection(mods: list[torch.nn.Linear], group_scales: dict[torch.nn.Module, torch.Tensor | None]) -> Projection:
+def _projection(mods: list[torch.nn.Linear], group_scales: dict[torch.nn.Module, torch.Tensor | None],
+                codes: dict[torch.nn.Module, QuantizedLinear] | None = None) -> Projection:
     """One projection computing ``mods`` side by side (their weights stacked along the output dimension).
 
-    4-bit codes (``Int4Linear``) when every part came from a quantized layer with per-group scales and the
-    codes can be recovered exactly; otherwise ``DenseLinear``.
+    On a GPU, a quantized checkpoint's layers read without gptqmodel (``quantized_checkpoint.load_model``) keep
+    their 4-bit codes for the Triton kernel (``TritonInt4Linear``). On CPU, 4-bit codes (``Int4Linear``) when every
+    part came from a quantized layer with per-group scales and the codes can be recovered exactly; otherwise
+    ``DenseLinear``.
     """
+    if codes and all(m in codes for m in mods):
+        from serving.engine.triton_int4 import TritonInt4Linear
+
+        q = QuantizedLinear.cat([codes[m] for m in mods])
+        biases = [m.bias for m in mods]
+        bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        return TritonInt4Linear.from_codes(q.codes, q.scales, q.zeros, bias)
     weight = torch.cat([m.weight for m in mods]).contiguous() if len(mods) > 1 else mods[0].weight
     biases = [m.bias for m in mods]
     bias = None
@@ -154,10 +166,12 @@ def _eps(norm: torch.nn.Module) -> float:
 
 class CompactLlama:
     def __init__(self, model: torch.nn.Module, max_positions: int, kernels: ModuleType | None = None,
-                 group_scales: dict[torch.nn.Module, torch.Tensor | None] | None = None) -> None:
+                 group_scales: dict[torch.nn.Module, torch.Tensor | None] | None = None,
+                 codes: dict[torch.nn.Module, QuantizedLinear] | None = None) -> None:
         """``kernels``: ``cpu_kernels.load()`` for fp32 CPU weights (fused residual add + RMSNorm), else None.
         ``group_scales``: per-group scales of the layers a quantized checkpoint was dequantized into
-        (``dequantize.dequantize_linears``); those layers are served from 4-bit codes where possible."""
+        (``dequantize.dequantize_linears``); those layers are served from 4-bit codes where possible.
+        ``codes``: the 4-bit codes of a quantized checkpoint's layers on a GPU (``quantized_checkpoint``)."""
         group_scales = group_scales or {}
         inner = model.model
         self.kernels = kernels
@@ -173,11 +187,11 @@ class CompactLlama:
             a, m = layer.self_attn, layer.mlp
             L = _Layer(
                 ln1=layer.input_layernorm.weight, eps1=_eps(layer.input_layernorm),
-                qkv=_projection([a.q_proj, a.k_proj, a.v_proj], group_scales),
-                o=_projection([a.o_proj], group_scales),
+                qkv=_projection([a.q_proj, a.k_proj, a.v_proj], group_scales, codes),
+                o=_projection([a.o_proj], group_scales, codes),
                 ln2=layer.post_attention_layernorm.weight, eps2=_eps(layer.post_attention_layernorm),
-                gate_up=_projection([m.gate_proj, m.up_proj], group_scales),
-                down=_projection([m.down_proj], group_scales))
+                gate_up=_projection([m.gate_proj, m.up_proj], group_scales, codes),
+                down=_projection([m.down_proj], group_scales, codes))
             self.layers.append(L)
             self._share([a.q_proj, a.k_proj, a.v_proj], L.qkv)
             self._share([a.o_proj], L.o)
@@ -199,6 +213,8 @@ class CompactLlama:
         self.sin = (emb.sin() * scale).to(dtype)[:, None, :]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
+        self.norm_kernels = kernels  # add_rms_norm and silu_mul: the C++ ones on CPU, Triton's on a GPU
+        self.rope_and_store: Callable[..., None] | None = None  # see use_gpu_kernels
 
     @property
     def projections(self) -> list[Projection]:
@@ -234,32 +250,53 @@ class CompactLlama:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    def use_gpu_kernels(self, rope_and_store: Callable[..., None] | None, norm: ModuleType | None) -> None:
+        """Fused Triton kernels for the GPU path, where attention reads the paged cache (``triton_attention``):
+        ``rope_and_store`` (``triton_rope``) rotates q and k and writes k and v into the cache in one launch per
+        layer (about 11 launches of torch ops otherwise); ``norm`` (``triton_norm``) gives ``add_rms_norm`` and
+        ``silu_mul`` with the C++ kernels' contracts. Inside a CUDA graph every launch still costs GPU time, so
+        the count per layer is the decode step's overhead."""
+        self.rope_and_store = rope_and_store
+        self.norm_kernels = norm
+
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
         """``h += delta`` in place (the residual stream), then RMSNorm(h) as a new tensor."""
-        if self.kernels is not None:
+        if self.norm_kernels is not None:
             out = torch.empty_like(h)
-            self.kernels.add_rms_norm(h, delta, weight, eps, out)
+            self.norm_kernels.add_rms_norm(h, delta, weight, eps, out)
             return out
         if delta is not None:
             h.add_(delta)
         return F.rms_norm(h, (self.hidden,), weight, eps)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 keep: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [T]; returns logits [len(keep), V] for the kept rows."""
+                 keep: torch.Tensor | None) -> torch.Tensor:
+        """input_ids/positions [T]; returns logits [len(keep), V] for the kept rows (every row if ``keep`` is
+        None)."""
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
-        cos, sin = (None, None) if self.kernels is not None else (self.cos[positions], self.sin[positions])
+        # the fused rope writes the cache, so it needs attention that reads the cache for every row (the kernels)
+        fused_rope = self.rope_and_store is not None and meta.store_kv is not None
+        if fused_rope:
+            meta.kv_stored = True
+        table_rope = self.kernels is None and not fused_rope
+        cos, sin = (self.cos[positions], self.sin[positions]) if table_rope else (None, None)
+        rope_positions = positions.long() if self.kernels is not None else None  # the C++ rope takes int64
         delta = None
         for i, L in enumerate(self.layers):
             x = self._add_norm(h, delta, L.ln1, L.eps1)
             qkv = L.qkv(x)
             v = qkv[:, self.q_size + self.kv_size:].view(t, self.kv_heads, self.head_dim)
-            if self.kernels is not None:
+            if fused_rope:
+                q = qkv.new_empty(t, self.num_heads, self.head_dim)
+                self.rope_and_store(qkv, positions, self.cos, self.sin, self.num_heads, self.kv_heads,
+                                    self.head_dim, meta.k_caches[i], meta.v_caches[i], meta.slot_mapping, q)
+                k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.kv_heads, self.head_dim)  # stored
+            elif self.kernels is not None:
                 q = qkv.new_empty(t, self.num_heads, self.head_dim)
                 k = qkv.new_empty(t, self.kv_heads, self.head_dim)
-                self.kernels.rope(qkv, positions, self.cos, self.sin, self.num_heads, self.kv_heads, q, k)
+                self.kernels.rope(qkv, rope_positions, self.cos, self.sin, self.num_heads, self.kv_heads, q, k)
             else:
                 q = self._rope(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim), cos, sin)
                 k = self._rope(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.kv_heads, self.head_dim),
@@ -267,13 +304,15 @@ class CompactLlama:
             o = paged_attention(q, k, v, i, meta, self.scaling)
             x = self._add_norm(h, L.o(o.view(t, self.q_size)), L.ln2, L.eps2)
             gu = L.gate_up(x)
-            if self.kernels is not None:
+            if self.norm_kernels is not None:
                 act = gu.new_empty(t, gu.shape[1] // 2)
-                self.kernels.silu_mul(gu, act)
+                self.norm_kernels.silu_mul(gu, act)
             else:
                 g, u = gu.chunk(2, dim=-1)
                 act = F.silu(g) * u
             delta = L.down(act)
-        h = h.index_select(0, keep)
-        h = self._add_norm(h, None if delta is None else delta.index_select(0, keep), self.norm, self.norm_eps)
+        if keep is not None:
+            h = h.index_select(0, keep)
+            delta = None if delta is None else delta.index_select(0, keep)
+        h = self._add_norm(h, delta, self.norm, self.norm_eps)
         return self.lm_head(h)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 _DTYPES = ("float32", "float16", "bfloat16", "auto")
+_ATTENTION_BACKENDS = ("auto", "triton", "torch")
 # the KV cache's budget where no flag sizes it and the device is not a GPU (a GPU's comes from its free memory)
 CPU_KV_MEMORY_BYTES = 256 * 1024 * 1024
 
@@ -52,6 +53,11 @@ class EngineConfig:
     # with a draft model: the n-gram lookup's guesses where the context repeats and they promise more than the
     # draft's, the draft's elsewhere (speculative.LookupThenDraft); False: the draft's alone
     speculative_lookup: bool = True
+    # attention kernels: "auto" picks Triton's paged kernels on a GPU, the C++ ones for fp32 on CPU, torch ops
+    # elsewhere; "triton" / "torch" force one (a benchmark's before/after, or a way around a kernel bug)
+    attention_backend: str = "auto"
+    # True: every step runs eagerly; False: decode-only steps on a GPU replay CUDA graphs captured per batch size
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -75,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
         if self.model_impl not in ("auto", "hf", "compact"):
             raise ValueError(f"model_impl: must be 'auto', 'hf' or 'compact', got {self.model_impl!r}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {_ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 64:
             raise ValueError(f"seed: must be an integer in [0, 2**64), got {self.seed!r}")
         if not 0 <= self.speculative_tokens <= 16:

@@ -5,7 +5,8 @@ one GIL, so every chunk written is time the model is not stepping. Here, as in v
 tokenizes, validates and writes the answers, and this process only schedules, runs the model and
 detokenizes (stop strings end a sequence here, where its blocks are freed). The two talk over a pipe:
 the API sends lists of ``AddRequest`` / ``AbortRequest`` / ``Shutdown``; this side answers once with ``CoreReady``
-(or ``CoreFailed``) and then sends one ``CoreStep`` per step that produced outputs.
+(or ``CoreFailed``) and then sends one ``CoreStep`` per step that produced outputs, each output as what the step
+added to its request (``serving.engine.output_deltas``), which the API side assembles into ``RequestOutput``s.
 
 The core never waits for the API side: it drains whatever arrived before each step and sends the step's
 outputs in one message, which the API's reader thread takes off the pipe at once. When the API process
@@ -27,7 +28,8 @@ from serving.engine.config import EngineConfig
 from serving.engine.device_errors import DEVICE_ERROR_EXIT, describe_device_error, is_device_error
 from serving.engine.errors import EngineError
 from serving.engine.limits import RequestLimits
-from serving.engine.outputs import EngineStats, RequestOutput
+from serving.engine.output_deltas import DeltaEncoder, RequestDelta
+from serving.engine.outputs import EngineStats
 from serving.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class CoreFailed:
 
 @dataclass
 class CoreStep:
-    outputs: list[RequestOutput]
+    deltas: list[RequestDelta]
     stats: EngineStats
 
 
@@ -134,6 +136,7 @@ def _exit_on_device_error(conn: Connection, exc: BaseException) -> None:
 
 
 def _step_loop(engine, conn: Connection) -> None:
+    encoder = DeltaEncoder()
     while True:
         busy = engine.has_unfinished()
         if conn.poll(0 if busy else _IDLE_POLL_S):
@@ -150,7 +153,7 @@ def _step_loop(engine, conn: Connection) -> None:
             continue
         outputs = engine.step()
         if outputs:
-            conn.send(CoreStep(outputs, engine.stats()))
+            conn.send(CoreStep([encoder.encode(o) for o in outputs], engine.stats()))
 
 
 def _apply(engine, conn: Connection, message: AddRequest | AbortRequest) -> None:

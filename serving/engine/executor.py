@@ -55,12 +55,17 @@ class ModelExecutor:
             nxt = seq.prompt_token_ids[first:first + logits.shape[0]]
             prompt_records[i] = (first, prompt_logprobs(logits, nxt, seq.params.prompt_logprobs))
         sampled = {}
+        # the model's own token at every guessed position; read back in the sampler's one wait
+        verify_rows = list(step_logits.verify_logits)
+        verify_ids = [step_logits.verify_logits[i].argmax(-1) for i in verify_rows]
         if step_logits.sample_rows:
             seqs = [scheduled[i].seq for i in step_logits.sample_rows]
-            res = self.sampler(step_logits.sample_logits, seqs)
+            res = self.sampler(step_logits.sample_logits, seqs, verify_ids)
             sampled = {i: (tok, lp) for i, tok, lp in zip(step_logits.sample_rows, res.token_ids, res.logprobs)}
-        verified = {i: logits.argmax(-1).tolist() for i, logits in step_logits.verify_logits.items()}
-        return ModelOutput(flags, prompt_records, sampled, verified)
+            verify_lists = res.extra
+        else:
+            verify_lists = self.sampler.readback(self.runner.device).fetch(*verify_ids) if verify_ids else []
+        return ModelOutput(flags, prompt_records, sampled, dict(zip(verify_rows, verify_lists)))
 
     def _isolate(self, scheduled: list[ScheduledSeq], batch_error: Exception) -> ModelOutput:
         """Re-run each sequence of a failed batch alone; only those that fail alone get an error."""

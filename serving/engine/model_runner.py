@@ -3,8 +3,15 @@
 The model is the Hugging Face definition (Llama, Qwen, Mistral and the GPTQ/AWQ formats load through
 their libraries); only its attention is swapped for ``attention.paged_attention_forward`` through
 transformers' attention interface. Per step: build the flattened input ids, positions, slot mapping
-and decode gather indices (one tensor each, built once), run the forward with ``logits_to_keep`` set
-to the rows that need logits, and hand those logits back.
+and attention metadata, run the forward with ``logits_to_keep`` set to the rows that need logits, and hand
+those logits back.
+
+Which attention runs (``EngineConfig.attention_backend``):
+- ``triton`` (the default on a GPU): paged kernels that read the block tables (``triton_attention``); the step's
+  inputs go to the device in one pinned copy (``step_inputs``), and decode-only steps of the compact forward
+  replay CUDA graphs (``cuda_graphs``) unless ``enforce_eager``;
+- ``cpp`` (the default for fp32 on CPU): the C++ kernels (``cpu_kernels``) through the same hooks;
+- ``torch``: SDPA over gathered blocks (``attention``), the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from artifacts.common.device import pick_device
 from serving.engine import attention, cpu_kernels
 from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, bucket_by_length
 from serving.engine.config import CPU_KV_MEMORY_BYTES, EngineConfig
+from serving.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from serving.engine.dequantize import dequantize_linears, is_quantized
 from serving.engine.device_facts import probe, resolve_dtype
 from serving.engine.device_memory import (
@@ -34,7 +42,10 @@ from serving.engine.device_memory import (
 )
 from serving.engine.errors import ModelLoadError
 from serving.engine.int4_linear import Int4Linear
+from serving.engine.quantized_checkpoint import QuantizedLinear, is_quantized_dir, materialize_dense
+from serving.engine.quantized_checkpoint import load_model as load_quantized
 from serving.engine.scheduler import ScheduledSeq
+from serving.engine.step_inputs import DecodeStaticInputs, StepInputBuilder, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +87,78 @@ class ModelRunner:
         self.block_size = config.block_size
         self.cache_dtype = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) \
             else torch.float32
-        self.decode_kernel = self.prefill_kernel = None  # the profile forward runs on the torch path
+        self.decode_kernel = self.prefill_kernel = None
+        self.triton = None  # the Triton kernels' module when they run attention (see the module docstring)
+        self.builder: StepInputBuilder | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.attention_backend = self._attention_backend()
+        if self.attention_backend == "triton":  # before sizing: the profile forward runs what serving will run
+            from serving.engine import triton_attention
+            self.triton = triton_attention
+            self.builder = StepInputBuilder(self.device, self.block_size)
+            self.decode_kernel, self.prefill_kernel = triton_attention.paged_decode, triton_attention.paged_prefill
+            if self.compact is not None:
+                self._use_fused_kernels()
         self.num_blocks, self.cache_flag = self._num_blocks(memory)
         # per layer [num_blocks, block_size, kv_heads, head_dim], preallocated once
         self.k_caches = [torch.zeros(self.num_blocks, self.block_size, self.kv_heads, self.head_dim,
                                      dtype=self.cache_dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
-        # decode attention straight from the blocks (C++, fp32 CPU) when it builds; else bucketed SDPA
-        kernels = cpu_kernels.load() if cpu_kernels.supported(self.k_caches[0]) else None
-        self.decode_kernel = kernels.paged_decode if kernels is not None else None
-        # prefill and verify chunks likewise (block size 16, the common head sizes); else SDPA per chunk
-        self.prefill_kernel = kernels.paged_prefill if kernels is not None and self.block_size == 16 \
-            and self.head_dim in cpu_kernels.PREFILL_HEAD_DIMS else None
+        if self.attention_backend == "cpp":
+            # decode attention straight from the blocks (C++, fp32 CPU); prefill and verify chunks likewise (block
+            # size 16, the common head sizes), else SDPA per chunk
+            kernels = cpu_kernels.load()
+            self.decode_kernel = kernels.paged_decode
+            self.prefill_kernel = kernels.paged_prefill if self.block_size == 16 \
+                and self.head_dim in cpu_kernels.PREFILL_HEAD_DIMS else None
+        if self.triton is not None and self.compact is not None and self.device.type == "cuda" \
+                and not config.enforce_eager:
+            self.enable_decode_graphs("graph")
+
+    # ----------------------------------------------------------------- attention and graphs
+    def _attention_backend(self) -> str:
+        """``triton``, ``cpp`` or ``torch`` for this device and dtype (see the module docstring); an explicit
+        ``triton`` that cannot run here is refused in one line."""
+        wanted = self.config.attention_backend
+        if wanted == "torch":
+            return "torch"
+        probe_cache = torch.empty(0, 1, self.kv_heads, self.head_dim, dtype=self.cache_dtype, device=self.device)
+        try:
+            from serving.engine import triton_attention
+            why = None if triton_attention.supported(probe_cache, self.head_dim, self.block_size) else \
+                f"{self.device.type} {str(self.cache_dtype).removeprefix('torch.')} cache, head_dim {self.head_dim}, " \
+                f"block size {self.block_size} (needs a GPU, or TRITON_INTERPRET=1 on CPU)"
+        except ImportError as e:
+            why = f"triton is not importable ({e})"
+        if why is None and (wanted == "triton" or self.device.type == "cuda"):
+            return "triton"
+        if wanted == "triton":
+            raise ModelLoadError(f"attention_backend triton: cannot run here: {why}")
+        if cpu_kernels.supported(probe_cache) and cpu_kernels.load() is not None:
+            return "cpp"
+        return "torch"
+
+    def _use_fused_kernels(self) -> None:
+        """The compact forward's fused Triton kernels where they apply (``CompactLlama.use_gpu_kernels``)."""
+        from serving.engine import triton_norm, triton_rope
+
+        weights = self.compact.embed
+        rope = triton_rope.rope_and_store if triton_rope.supported(weights, self.head_dim) else None
+        norm = triton_norm if triton_norm.supported(weights) else self.compact.norm_kernels
+        self.compact.use_gpu_kernels(rope, norm)
+
+    def enable_decode_graphs(self, replay: str = "graph") -> DecodeGraphs:
+        """Capture (``replay="graph"``, a GPU) or set up eager replay over the same static inputs (``"eager"``:
+        CPU tests of the graph's data flow) of decode-only steps; needs the Triton path and the compact forward."""
+        if self.triton is None or self.compact is None:
+            raise RuntimeError("decode graphs need the triton attention backend and the compact forward")
+        c = self.config
+        max_batch = min(c.max_num_seqs, c.max_num_batched_tokens, MAX_GRAPH_BATCH)
+        max_len = min(self.max_position, self.num_blocks * self.block_size, c.max_model_len or self.max_position)
+        static = DecodeStaticInputs(self.device, self.block_size, max_batch, -(-max_len // self.block_size))
+        self.graphs = DecodeGraphs(self._forward, static, replay)
+        self.graphs.capture()
+        return self.graphs
 
     # ----------------------------------------------------------------- loading
     def _sized_by_device_memory(self) -> bool:
@@ -102,6 +173,15 @@ class ModelRunner:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path}: not a model directory (config.json missing)")
         impl = attention.register()
+        self.codes: dict[torch.nn.Module, QuantizedLinear] = {}
+        if is_quantized_dir(path) and (self.device.type == "cuda" or self.config.attention_backend == "triton"):
+            # GPTQ/AWQ on the GPU path: read the 4-bit codes ourselves (the Triton kernel serves them; gptqmodel need
+            # not be installed); a layout the reader refuses goes the library's way below
+            try:
+                model, self.codes = load_quantized(path, self.dtype, self.device, impl)
+                return model
+            except ValueError as e:
+                log.warning("%s: serving through gptqmodel instead of our 4-bit kernel: %s", path, e)
         try:
             with _library_output_to_log(path):
                 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, attn_implementation=impl)
@@ -116,6 +196,10 @@ class ModelRunner:
         """The compact forward when the config allows it and the checkpoint supports it (see compact_llama)."""
         from serving.engine.compact_llama import CompactLlama, unsupported_reason
 
+        if self.codes and (self.config.model_impl == "hf" or self.config.dequantize
+                           or unsupported_reason(self.model) is not None):
+            materialize_dense(self.codes, self.dtype)  # the HF forward needs dense weights
+            self.codes = {}
         if self.config.model_impl == "hf":
             return None
         group_scales = {}
@@ -132,7 +216,13 @@ class ModelRunner:
         # the 4-bit kernels take fp32 activations: other dtypes keep the dequantized weights
         if self.config.dequantize or self.dtype != torch.float32:
             group_scales = {}
-        compact = CompactLlama(self.model, getattr(cfg, "max_position_embeddings", 2048), kernels, group_scales)
+        compact = CompactLlama(self.model, getattr(cfg, "max_position_embeddings", 2048), kernels, group_scales,
+                               self.codes)
+        if self.codes:
+            log.info("4-bit weights: %d projections served from 4-bit codes by the Triton kernel (%.1f MB)",
+                     len(compact.projections), sum(p.nbytes for p in compact.projections) / 1e6)
+            self.codes = {}  # the unpacked codes (a byte a weight) go; the kernel's packed copy stays
+            torch.cuda.empty_cache()
         if group_scales:
             packed = [p for p in compact.projections if isinstance(p, Int4Linear)]
             log.info("4-bit weights: %d of %d projections served from 4-bit codes (%.1f MB; %.1f MB as fp32)",
@@ -196,8 +286,14 @@ class ModelRunner:
             meta.decode_block_tables = torch.tensor([t + [0] * (nblk - len(t)) for t in decode_tables],
                                                     dtype=torch.long, device=dev)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-        # torch path: decodes of similar length share one padded gather (the kernel needs no groups)
-        groups = bucket_by_length(decode_lens, bs) if meta.decode_kernel is None else []
+        # torch path: decodes of similar length share one padded gather (the kernel needs no groups); on a GPU
+        # one group, since each group costs ~100 launches and its padding only microseconds of memory traffic
+        if meta.decode_kernel is not None or not num_decode:
+            groups = []
+        elif self.device.type == "cuda":
+            groups = [list(range(num_decode))]
+        else:
+            groups = bucket_by_length(decode_lens, bs)
         for rows in groups:
             glens = [decode_lens[r] for r in rows]
             nblk = -(-max(glens) // bs)
@@ -238,7 +334,6 @@ class ModelRunner:
                 verify: list[bool] | None = None) -> StepLogits:
         """One forward over the plan. ``sample_flags[i]``: scheduled[i] samples a token this step;
         ``verify[i]``: return the logits of every position scheduled[i] computed (guessed tokens to check)."""
-        input_ids, positions, meta = self._prepare(scheduled)
         keep: list[int] = []
         sample_rows: list[int] = []
         prompt_spans: list[tuple[int, int, int, int]] = []  # sched idx, first prompt pos, keep lo, keep hi
@@ -270,17 +365,49 @@ class ModelRunner:
             row += item.num_tokens
         if not keep:
             keep = [0]
-        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
-        if self.compact is not None:
-            logits = self.compact(input_ids[0], positions[0], meta, keep_t).float()
+        if self.builder is not None:
+            every_row = len(keep) == row and keep == list(range(row))  # e.g. a decode-only step, all sampling
+            if every_row and self.graphs is not None and all(item.num_tokens == 1 for item in scheduled) \
+                    and self.graphs.fits(scheduled):
+                logits = self.graphs.run(scheduled)
+            else:
+                logits = self._forward(self.builder.build(scheduled, None if every_row else keep))
         else:
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                             logits_to_keep=keep_t, paged_metadata=meta)
-            logits = out.logits[0].float()
+            logits = self._forward_legacy(scheduled, keep)
         sample_logits = logits[n_prompt_rows:n_prompt_rows + len(sample_rows)] if sample_rows else None
         prompt_logits = [(i, first, logits[lo:hi]) for i, first, lo, hi in prompt_spans]
         return StepLogits(sample_rows, sample_logits, prompt_logits,
                           {i: logits[lo:hi] for i, lo, hi in verify_spans})
+
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """fp32 logits of the kept rows, from inputs already on the device (the Triton path; what a decode graph
+        captures)."""
+        t = self.triton
+        meta = AttentionMetadata(self.k_caches, self.v_caches, inputs.slot_mapping, num_decode=inputs.num_decode,
+                                 block_size=self.block_size, store_kv=t.store_kv)
+        if inputs.num_decode:
+            meta.decode_kernel = t.paged_decode
+            meta.decode_block_tables, meta.decode_lens = inputs.decode_block_tables, inputs.decode_lens
+        if inputs.prefill_row_starts is not None:
+            meta.prefill_kernel = t.paged_prefill
+            meta.prefill_block_tables = inputs.prefill_block_tables
+            meta.prefill_row_starts, meta.prefill_first_pos = inputs.prefill_row_starts, inputs.prefill_first_pos
+        if self.compact is not None:
+            return self.compact(inputs.input_ids, inputs.positions, meta, inputs.keep).float()
+        out = self.model(input_ids=inputs.input_ids[None], position_ids=inputs.positions[None], use_cache=False,
+                         logits_to_keep=0 if inputs.keep is None else inputs.keep, paged_metadata=meta)
+        return out.logits[0].float()
+
+    def _forward_legacy(self, scheduled: list[ScheduledSeq], keep: list[int]) -> torch.Tensor:
+        """fp32 logits of the ``keep`` rows on the torch or C++ attention path (inputs built from lists)."""
+        input_ids, positions, meta = self._prepare(scheduled)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if self.compact is not None:
+            return self.compact(input_ids[0], positions[0], meta, keep_t).float()
+        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                         logits_to_keep=keep_t, paged_metadata=meta)
+        return out.logits[0].float()
 
 
 def _library_output_to_log(path: Path) -> contextlib.AbstractContextManager[None]:

@@ -10,10 +10,12 @@ Logprobs are those of the model's raw distribution (before temperature and penal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from serving.engine.host_transfer import HostReadback, PinnedStaging
 from serving.engine.sequence import Sequence
 
 
@@ -22,6 +24,7 @@ class SampleResult:
     token_ids: list[int]
     # per row: {token_id: logprob} with the sampled token first, then the top-k; None if not asked
     logprobs: list[dict[int, float] | None]
+    extra: list[list] = field(default_factory=list)  # the ``extra`` tensors of the call, as lists
 
 
 def _blocked_ids(seq: Sequence) -> list[int]:
@@ -54,16 +57,20 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                            min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k / nucleus / min-p set. k=0, p=1, min_p=0 mean off."""
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                            need: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k / nucleus / min-p set. k=0, p=1, min_p=0 mean off.
+
+    ``need`` (top-k, top-p, min-p: whether any row uses each) comes from the host-side parameters; without it
+    the tensors are inspected, which on a GPU waits for them (three syncs the engine's sampler avoids)."""
     vocab = logits.shape[1]
-    if bool((min_p > 0).any()):
+    if need is None:
+        need = (bool((top_k > 0).any()), bool((top_p < 1).any()), bool((min_p > 0).any()))
+    need_k, need_p, need_min_p = need
+    if need_min_p:
         probs = logits.softmax(-1)
         thresh = probs.max(-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < thresh, float("-inf"))
-    need_k = bool((top_k > 0).any())
-    need_p = bool((top_p < 1).any())
     if not (need_k or need_p):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -81,9 +88,16 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 
 class Sampler:
+    """Samples one token per row. Every choice that depends on the requests' parameters is made on the host from
+    ``SamplingParams``; the per-row parameters and the ids to block go to the device in one non-blocking copy
+    (``host_transfer.PinnedStaging``), and the results come back through ``HostReadback``: one wait per call, for
+    the sampled ids (and logprobs when asked), never a sync in between."""
+
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # one stream per device, seeded alike
+        self._staging: dict[torch.device, PinnedStaging] = {}
+        self._readback: dict[torch.device, HostReadback] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -91,39 +105,95 @@ class Sampler:
             gen = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return gen
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def readback(self, device: torch.device) -> HostReadback:
+        rb = self._readback.get(device)
+        if rb is None:
+            rb = self._readback[device] = HostReadback(device)
+        return rb
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 extra: list[torch.Tensor] | tuple[torch.Tensor, ...] = ()) -> SampleResult:
+        """One token per row of ``logits`` for ``seqs``; ``extra`` device tensors (the step's other results) come
+        back to the host in the same wait."""
+        dev = logits.device
         want_lp = [s.params.logprobs for s in seqs]
         raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in want_lp) else None
-
-        blocked = [_blocked_ids(s) for s in seqs]
-        if any(s.params.has_penalties for s in seqs) or any(blocked):
+        greedy = [s.params.greedy for s in seqs]
+        blocked = [(i, t) for i, s in enumerate(seqs) for t in _blocked_ids(s) if t < logits.shape[1]]
+        sampled = not all(greedy)
+        params = self._upload(dev, seqs, greedy, blocked, sampled) if sampled or blocked else {}
+        if any(s.params.has_penalties for s in seqs) or blocked:
             logits = logits.clone()
             apply_penalties(logits, seqs)
-            for i, ids in enumerate(blocked):
-                if ids:
-                    idx = torch.tensor([t for t in ids if t < logits.shape[1]], dtype=torch.long,
-                                       device=logits.device)
-                    logits[i, idx] = float("-inf")
-
-        greedy = [s.params.greedy for s in seqs]
-        if all(greedy):
-            tokens = logits.argmax(-1)
+            if blocked:
+                logits[params["blocked_rows"], params["blocked_ids"]] = float("-inf")
+        tokens = self._sample(logits, seqs, greedy, params) if sampled else logits.argmax(-1)
+        n_extra = len(extra)
+        if raw_logprobs is None:
+            token_list, *rest = self.readback(dev).fetch(tokens, *extra)
+            return SampleResult(token_list, [None] * len(seqs), rest)
+        kmax = max(k for k in want_lp if k is not None)
+        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+        if kmax > 0:
+            top_vals, top_ids = raw_logprobs.topk(kmax, dim=-1)
+            token_list, *rest, chosen_l, tv, ti = self.readback(dev).fetch(tokens, *extra, chosen, top_vals, top_ids)
         else:
-            tokens = self._sample(logits, seqs, greedy)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(raw_logprobs, token_list, want_lp))
+            token_list, *rest, chosen_l = self.readback(dev).fetch(tokens, *extra, chosen)
+            tv = ti = None
+        assert len(rest) == n_extra
+        return SampleResult(token_list, _logprob_records(token_list, chosen_l, tv, ti, want_lp), rest)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+    def _upload(self, dev: torch.device, seqs: list[Sequence], greedy: list[bool], blocked: list[tuple[int, int]],
+                sampled: bool) -> dict[str, torch.Tensor]:
+        """The per-row parameters the device needs, written on the host and sent in one copy."""
+        staging = self._staging.get(dev)
+        if staging is None:
+            staging = self._staging[dev] = PinnedStaging(dev)
+        n = len(seqs) if sampled else 0
+        sizes = {"greedy": n, "temperature": n, "top_k": n, "top_p": n, "min_p": n,
+                 "blocked_rows": len(blocked), "blocked_ids": len(blocked)}
+        staging.reserve(sum(sizes.values()))
+        buf, floats = staging.array, staging.array.view(np.float32)
+        offsets, o = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = (o, o + size)
+            o += size
+        if sampled:
+            a, b = offsets["greedy"]
+            buf[a:b] = greedy
+            a, b = offsets["temperature"]
+            floats[a:b] = [1.0 if g else s.params.temperature for s, g in zip(seqs, greedy)]
+            a, b = offsets["top_k"]
+            buf[a:b] = [s.params.top_k for s in seqs]
+            a, b = offsets["top_p"]
+            floats[a:b] = [s.params.top_p for s in seqs]
+            a, b = offsets["min_p"]
+            floats[a:b] = [s.params.min_p for s in seqs]
+        if blocked:
+            a, b = offsets["blocked_rows"]
+            buf[a:b] = [r for r, _ in blocked]
+            a, b = offsets["blocked_ids"]
+            buf[a:b] = [t for _, t in blocked]
+        staging.upload(o)
+        views = {}
+        for name, (a, b) in offsets.items():
+            t = staging.dev[a:b]
+            if name in ("temperature", "top_p", "min_p"):
+                t = t.view(torch.float32)
+            elif name in ("blocked_rows", "blocked_ids"):
+                t = t.long()
+            views[name] = t
+        return views
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool],
+                params: dict[str, torch.Tensor]) -> torch.Tensor:
         dev = logits.device
-        greedy_t = torch.tensor(greedy, device=dev)
         argmax = logits.argmax(-1)
-        temp = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(seqs, greedy)],
-                            device=dev, dtype=logits.dtype)
-        scaled = logits / temp[:, None]
-        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev, dtype=logits.dtype)
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev, dtype=logits.dtype)
-        scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+        scaled = logits / params["temperature"].to(logits.dtype)[:, None]
+        need = (any(s.params.top_k > 0 for s in seqs), any(s.params.top_p < 1 for s in seqs),
+                any(s.params.min_p > 0 for s in seqs))
+        scaled = apply_top_k_top_p_min_p(scaled, params["top_k"], params["top_p"].to(logits.dtype),
+                                         params["min_p"].to(logits.dtype), need)
         probs = scaled.softmax(-1)
         # Gumbel-style sampling: argmax(p / E) with E ~ Exp(1) draws from p; per-row noise lets seeded
         # rows use their own generator, so a seeded request is reproducible whatever its batch.
@@ -134,28 +204,21 @@ class Sampler:
                     s.generator = torch.Generator(device=dev).manual_seed(s.params.seed)
                 noise[i] = torch.empty(probs.shape[1], device=dev).exponential_(generator=s.generator)
         sampled = (probs / noise).argmax(-1)
-        return torch.where(greedy_t, argmax, sampled)
+        return torch.where(params["greedy"].bool(), argmax, sampled)
 
-    @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: list[int],
-                  want: list[int | None]) -> list[dict[int, float] | None]:
-        if raw is None:
-            return [None] * len(tokens)
-        kmax = max(k for k in want if k is not None)
-        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
-        top_vals, top_ids = (raw.topk(kmax, dim=-1) if kmax > 0 else (None, None))
-        tv = top_vals.tolist() if top_vals is not None else None
-        ti = top_ids.tolist() if top_ids is not None else None
-        out: list[dict[int, float] | None] = []
-        for i, k in enumerate(want):
-            if k is None:
-                out.append(None)
-                continue
-            rec = {tokens[i]: chosen[i]}
-            for j in range(k):
-                rec.setdefault(ti[i][j], tv[i][j])
-            out.append(rec)
-        return out
+
+def _logprob_records(tokens: list[int], chosen: list[float], top_vals: list[list[float]] | None,
+                     top_ids: list[list[int]] | None, want: list[int | None]) -> list[dict[int, float] | None]:
+    out: list[dict[int, float] | None] = []
+    for i, k in enumerate(want):
+        if k is None:
+            out.append(None)
+            continue
+        rec = {tokens[i]: chosen[i]}
+        for j in range(k):
+            rec.setdefault(top_ids[i][j], top_vals[i][j])
+        out.append(rec)
+    return out
 
 
 def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[dict[int, float]]:

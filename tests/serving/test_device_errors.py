@@ -67,10 +67,10 @@ def test_the_step_raises_a_device_error_instead_of_isolating_it(engine, monkeypa
     """The executor re-runs a failed batch per sequence for any other error; a device error leaves the step."""
     real = engine.executor.sampler
 
-    def sampler(logits, seqs):  # injected fault: the device fails under request "poison"
+    def sampler(logits, seqs, *extra):  # injected fault: the device fails under request "poison"
         if any(s.request_id == "poison" for s in seqs):
             raise torch.AcceleratorError(ASSERT_TEXT)
-        return real(logits, seqs)
+        return real(logits, seqs, *extra)
 
     monkeypatch.setattr(engine.executor, "sampler", sampler)
     engine.add_request("a", [10, 11, 12], GREEDY)

@@ -142,3 +142,71 @@ def test_a_model_the_engine_process_cannot_load_is_one_line_and_exit_2(tmp_path)
     assert len(lines) == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert lines[0].startswith(f"error: {model}: cannot load model") and "model.safetensors" in lines[0], lines
+
+
+class _Observed:
+    """Stands in for ServerMetrics: what the reader thread assembled, in order."""
+
+    def __init__(self) -> None:
+        self.outputs: list = []
+
+    def observe(self, outputs: list) -> None:
+        self.outputs += outputs
+
+
+def test_outputs_over_the_pipe_are_the_engines_own(tiny_model_dir):
+    """The core sends deltas; what the handlers get from the API side is what the engine builds in one process:
+    ids, text (with a stop string cut), logprobs, prompt logprobs once complete. An aborted request ends on the
+    API side too (the metrics see its last output) and leaves nothing behind."""
+    import asyncio
+
+    from serving.api.engine_client import ProcessEngineClient
+    from serving.engine import EngineConfig, LLMEngine, SamplingParams
+
+    cfg = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    prompts = {"lp": [40, 41, 42], "plp": [50, 51, 52, 53, 54], "stop": [60, 61], "abort": [70, 71]}
+    params = {"lp": SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2),
+              "plp": SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1),
+              "stop": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["e"]),
+              "abort": SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)}
+    engine = LLMEngine.from_pretrained(tiny_model_dir, cfg)
+    want = dict(zip(prompts, engine.generate(list(prompts.values()), list(params.values())), strict=True))
+
+    client = ProcessEngineClient(tiny_model_dir, cfg)
+    client.metrics = observed = _Observed()
+
+    async def serve() -> dict:
+        client.start(asyncio.get_running_loop())
+        queues = {rid: client.add(rid, prompts[rid], params[rid]) for rid in prompts}
+        await queues["abort"].get()
+        client.abort("abort")
+        got = {}
+        for rid in ("lp", "plp", "stop"):
+            streamed = []
+            while not streamed or not streamed[-1].finished:
+                streamed.append(await asyncio.wait_for(queues[rid].get(), 60))
+            got[rid] = streamed
+        while not any(o.request_id == "abort" and o.finished for o in observed.outputs):
+            await asyncio.sleep(0.05)
+        return got
+
+    try:
+        got = asyncio.run(serve())
+    finally:
+        client.stop()
+    for rid, streamed in got.items():
+        last, ref = streamed[-1], want[rid]
+        assert (last.token_ids, last.text, last.finish_reason, last.outputs[0].stop_reason) == \
+               (ref.token_ids, ref.text, ref.finish_reason, ref.outputs[0].stop_reason), rid
+        assert last.prompt_token_ids == prompts[rid]
+        assert "".join(o.delta_text for o in streamed) == last.text
+        assert [t for o in streamed for t in o.delta_token_ids] == last.token_ids
+        for records, ref_records in ((last.outputs[0].logprobs, ref.outputs[0].logprobs),
+                                     (last.prompt_logprobs, ref.prompt_logprobs)):
+            assert (records is None) == (ref_records is None), rid
+            for a, b in zip(records or [], ref_records or [], strict=True):
+                assert (a is None and b is None) or a == pytest.approx(b, abs=1e-4), rid
+    assert want["stop"].finish_reason == "stop" and "e" not in got["stop"][-1].text
+    aborted = [o for o in observed.outputs if o.request_id == "abort"]
+    assert aborted[-1].finish_reason == "abort" and aborted[-1].token_ids
+    assert len(client._assembler) == 0

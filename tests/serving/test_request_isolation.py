@@ -37,10 +37,10 @@ def test_a_sampler_fault_fails_only_the_faulty_request(engine):
     reference = _run(engine, {k: v for k, v in PROMPTS.items() if k != POISON}, GREEDY)
     real_sampler = engine.executor.sampler
 
-    def faulty_sampler(logits, seqs):  # injected fault: this request's parameters "crash" the sampler
+    def faulty_sampler(logits, seqs, *extra):  # injected fault: this request's parameters "crash" the sampler
         if any(s.request_id == POISON for s in seqs):
             raise ValueError("Overflow when unpacking long long")
-        return real_sampler(logits, seqs)
+        return real_sampler(logits, seqs, *extra)
 
     engine.executor.sampler = faulty_sampler
     done = _run(engine, PROMPTS, GREEDY)

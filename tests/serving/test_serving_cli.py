@@ -42,6 +42,16 @@ def test_serve_arguments_map_to_engine_config(tmp_path):
     assert args.func is cmd_serve and args.port == 9000
 
 
+def test_gpu_path_flags_map_to_engine_config(tiny_model_dir):
+    """--attention-backend and --enforce-eager reach the config; a backend not offered is argparse's error."""
+    args = parser().parse_args(["serve", str(tiny_model_dir), "--attention-backend", "torch", "--enforce-eager"])
+    cfg = engine_config_from_args(args)
+    assert cfg.attention_backend == "torch" and cfg.enforce_eager
+    assert engine_config_from_args(parser().parse_args(["serve", str(tiny_model_dir)])).attention_backend == "auto"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", str(tiny_model_dir), "--attention-backend", "flash"])
+
+
 def test_device_memory_flags_map_and_bad_values_are_one_line(tiny_model_dir, capsys):
     """--gpu-memory-utilization reaches the config; out of (0, 1] it is one line and exit 2 before anything
     loads. --kv-memory left out means the device sizes the cache (256 MiB on CPU, a share of a GPU)."""
