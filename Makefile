@@ -6,6 +6,8 @@
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# the engine's kernels are Triton: CPU CI runs them under triton's interpreter, with the GPU machine's version
+TRITON ?= triton==3.6.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -19,6 +21,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --upgrade --quiet pip
 	$(BIN)/pip install "$(TORCH)"
 	$(BIN)/pip install -r requirements.txt "$(TORCH)"
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install "$(TRITON)"  # a CUDA torch brings its own
 	$(BIN)/pip install --no-deps -e .
 	$(BIN)/python -c "import torch; print('torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"
 	touch $(STAMP)

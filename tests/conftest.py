@@ -59,3 +59,32 @@ def micro_data_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("micro_data") / "data"
     build_datasets(micro_data_config(), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def real_quantized_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Real gptqmodel GPTQ and AWQ checkpoints of a tiny Llama, made by the project's quantize package.
+
+    hidden 128 with 2 KV heads of 32 dims keeps every out-feature a multiple of 64 (AWQ's clip search);
+    group size 32 divides every in-feature. Takes ~20-40 s on a busy 2-core machine. Here, not in tests/artifacts,
+    so the serving tests that read the same bundles share this session's pair instead of quantizing again."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from quantize.awq import quantize_awq
+    from quantize.calibration import build_calibration_set
+    from quantize.config import QuantizeConfig
+    from quantize.gptq import quantize_gptq
+    from tests.artifacts.conftest import CORPUS, build_tiny_llama
+
+    root = tmp_path_factory.mktemp("quantized")
+    source = build_tiny_llama(root / "fp", hidden_size=128, intermediate_size=256)
+    (root / "calibration.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    calibration = build_calibration_set(root / "calibration.jsonl", AutoTokenizer.from_pretrained(str(source)),
+                                        num_samples=8, seq_len=64)
+    config = QuantizeConfig(bits=4, group_size=32, calibration_samples=8, calibration_seq_len=64)
+    dirs = {"gptq": quantize_gptq(source, root / "gptq", calibration, config),
+            "awq": quantize_awq(source, root / "awq", calibration, config)}
+    (root / "calibration_digest").write_text(calibration.digest)
+    return dirs

@@ -81,33 +81,6 @@ def untied_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def real_quantized_dirs(tmp_path_factory) -> dict[str, Path]:
-    """Real gptqmodel GPTQ and AWQ checkpoints of a tiny Llama, made by the project's quantize package.
-
-    hidden 128 with 2 KV heads of 32 dims keeps every out-feature a multiple of 64 (AWQ's clip search);
-    group size 32 divides every in-feature. Takes ~20-40 s on a busy 2-core machine."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    from quantize.awq import quantize_awq
-    from quantize.calibration import build_calibration_set
-    from quantize.config import QuantizeConfig
-    from quantize.gptq import quantize_gptq
-
-    root = tmp_path_factory.mktemp("quantized")
-    source = build_tiny_llama(root / "fp", hidden_size=128, intermediate_size=256)
-    (root / "calibration.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
-    calibration = build_calibration_set(root / "calibration.jsonl", AutoTokenizer.from_pretrained(str(source)),
-                                        num_samples=8, seq_len=64)
-    config = QuantizeConfig(bits=4, group_size=32, calibration_samples=8, calibration_seq_len=64)
-    dirs = {"gptq": quantize_gptq(source, root / "gptq", calibration, config),
-            "awq": quantize_awq(source, root / "awq", calibration, config)}
-    (root / "calibration_digest").write_text(calibration.digest)
-    return dirs
-
-
-@pytest.fixture(scope="session")
 def small_shard_size(model_dir) -> str:
     """A shard limit that splits the model into about four shards, whatever its size."""
     from artifacts.safetensors_io import read_header, source_weight_files

@@ -9,7 +9,8 @@ and 16-byte-aligned pointers are specialised on the device (``tt.divisibility``)
 pipeliner buffer whole tiles. Launches are recorded on meta tensors (only shapes, strides and dtypes reach a
 launch), then compiled with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``.
 
-Prints one JSON line per launch: kernel, constexprs, num_warps, num_stages, shared bytes.
+Prints one JSON line per launch: kernel, constexprs, num_warps, num_stages, shared bytes, and whether its global
+loads are 16 bytes wide (``ld.global.v4.b32`` in the PTX: the memory-bound kernels must vectorise).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def compile_all(recorders: dict[str, Recorder]) -> list[dict]:
             compiled = triton.compile(ASTSource(rec.kernel, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
                                       options=options)
             rows.append({"kernel": name, "constants": {k: v for k, v in constants.items() if k.isupper()},
-                         **options, "shared": compiled.metadata.shared})
+                         **options, "shared": compiled.metadata.shared,
+                         "loads_16_bytes": "ld.global.v4.b32" in compiled.asm["ptx"]})
     return rows
 
 
@@ -125,6 +127,11 @@ def fused_launches() -> dict[str, Recorder]:
 
     recorders = _patch(tn, ["_add_rms_norm_kernel", "_silu_mul_kernel"]) | _patch(tr, ["_rope_store_kernel"])
     meta = {"device": "meta", "dtype": torch.bfloat16}
+    for d in (64, 128):  # the 1B model's head_dim, and Llama-3 8B's
+        tr.rope_and_store(torch.empty(16, 48 * d, **meta), torch.empty(16, dtype=torch.int32, device="meta"),
+                          torch.empty(4096, 1, d, **meta), torch.empty(4096, 1, d, **meta), 32, 8, d,
+                          torch.empty(64, 16, 8, d, **meta), torch.empty(64, 16, 8, d, **meta),
+                          torch.empty(16, dtype=torch.int32, device="meta"), torch.empty(16, 32, d, **meta))
     cos = torch.empty(4096, 1, 64, **meta)
     kc = torch.empty(1024, 16, 8, 64, **meta)
     for t in (1, 8192):

@@ -28,7 +28,6 @@ from serving.engine.quantized_checkpoint import (
     materialize_dense,
     read_quantized_linears,
 )
-from tests.artifacts.conftest import real_quantized_dirs  # noqa: F401 - the session's real GPTQ/AWQ bundles
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -61,7 +60,7 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_codes_dequantize_to_gptqmodels_weights_bit_for_bit(real_quantized_dirs, method):  # noqa: F811
+def test_codes_dequantize_to_gptqmodels_weights_bit_for_bit(real_quantized_dirs, method):
     ours = read_quantized_linears(real_quantized_dirs[method])
     _, theirs = library_weights(real_quantized_dirs[method])
     assert sorted(ours) == sorted(theirs) and len(ours) == 2 * len(PROJECTIONS)
@@ -75,7 +74,7 @@ def test_codes_dequantize_to_gptqmodels_weights_bit_for_bit(real_quantized_dirs,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_the_model_loads_without_gptqmodel_and_answers_as_the_library_path(real_quantized_dirs, method,  # noqa: F811
+def test_the_model_loads_without_gptqmodel_and_answers_as_the_library_path(real_quantized_dirs, method,
                                                                            monkeypatch):
     library_model, _ = library_weights(real_quantized_dirs[method])
     expected = logits(library_model)

@@ -1,15 +1,11 @@
-"""The Triton paged-attention kernels under triton's CPU interpreter, against a float64 torch reference, and
-compiled for an H100 without one.
+"""The Triton paged-attention kernels under triton's CPU interpreter, against a float64 torch reference (that every
+launch compiles for sm_90 within its shared memory is ``test_triton_sm90.py``'s).
 
 Small shapes: the interpreter runs every program in numpy. Outputs are poisoned with NaN before each call, so an
 element a kernel forgot to write fails the comparison. The interpreter must be switched on before triton is
 first imported (``@triton.jit`` decides at decoration, and triton's own ``tl.max``, ``tl.sum``... are jitted
 too). Run alone, this module does that itself; in a session where an earlier module already imported triton it
-cannot, and then ``test_the_module_in_a_fresh_interpreter`` runs it again in a new process instead.
-
-Run as a script (``python -m tests.serving.test_triton_attention 64``) the module compiles the launchers'
-kernels for sm_90 instead: that needs triton without the interpreter, so ``test_launches_compile_for_sm90``
-runs it in a subprocess."""
+cannot, and then ``test_the_module_in_a_fresh_interpreter`` runs it again in a new process instead."""
 
 from __future__ import annotations
 
@@ -23,9 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-COMPILING = __name__ == "__main__"  # run as the sm_90 compile check, not as tests
-if not COMPILING:
-    os.environ["TRITON_INTERPRET"] = "1"
+os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
@@ -33,7 +27,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from serving.engine import triton_attention as ta  # noqa: E402
 from serving.engine.attention import AttentionMetadata, paged_attention  # noqa: E402
 
-IN_PROCESS = not COMPILING and isinstance(triton.language.max, InterpretedFunction)
+IN_PROCESS = isinstance(triton.language.max, InterpretedFunction)
 if IN_PROCESS and not ta.interpreted():  # the kernel module alone was imported before the switch: decorate again
     ta = importlib.reload(ta)
 in_process = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported before TRITON_INTERPRET=1 was set: "
@@ -225,64 +219,7 @@ def test_kernels_fill_the_engine_hooks():
     torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
 
 
-class _Launches:
-    """Stands in for a kernel: records what a launcher passes (``kernel[grid](*args, **constexprs)``)."""
-
-    def __init__(self, kernel):
-        self.fn, self.calls = kernel.fn, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
-
-
-def _triton_type(arg) -> str:
-    if isinstance(arg, torch.Tensor):
-        return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                      torch.int64: "i64"}[arg.dtype]
-    return "fp32" if isinstance(arg, float) else "i32"
-
-
-def _compile_launches_for_sm90(head_dim: int) -> None:
-    """Compile what each launcher launches (bf16, 32 query heads on 8 KV heads: the Llama-3 shapes) for sm_90
-    with the wheel's own ptxas. Tensors on the meta device: only shapes, strides and dtypes reach a launch."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    names = ("_decode_split_kernel", "_decode_combine_kernel", "_prefill_kernel", "_store_kv_kernel")
-    launches = {name: _Launches(getattr(ta, name)) for name in names}
-    for name, recorder in launches.items():
-        setattr(ta, name, recorder)
-    meta = {"device": "meta"}
-    kc = torch.empty(64, BS, 8, head_dim, dtype=torch.bfloat16, **meta)
-    for batch in (1, 64):  # split (and combined) and unsplit
-        q = torch.empty(batch, 32, head_dim, dtype=torch.bfloat16, **meta)
-        ta.paged_decode(q, kc, kc, torch.empty(batch, 8, dtype=torch.int64, **meta),
-                        torch.empty(batch, dtype=torch.int64, **meta), 0.125, q)
-    q = torch.empty(100, 32, head_dim, dtype=torch.bfloat16, **meta)
-    idx = torch.empty(4, dtype=torch.int64, **meta)
-    ta.paged_prefill(q, kc, kc, torch.empty(3, 8, dtype=torch.int64, **meta), idx, idx[:3], 0.125, q)
-    ta.store_kv(q[:, :8], q[:, :8], kc, kc, idx)
-    assert [len(r.calls) for r in launches.values()] == [2, 1, 1, 1]
-    for recorder in launches.values():
-        kernel = JITFunction(recorder.fn)
-        for args, kwargs in recorder.calls:
-            options = {"num_warps": kwargs.pop("num_warps")}
-            signature = {n: _triton_type(a) for n, a in zip(kernel.arg_names, args)}
-            signature |= dict.fromkeys(kwargs, "constexpr")
-            triton.compile(ASTSource(kernel, signature, kwargs), target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def test_launches_compile_for_sm90():
-    """The interpreter checks no types, loop-carried values or ``tl.dot`` shape limits: every launch compiles
-    for an H100 (at head_dim 64, the benchmark model's), no GPU needed."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.serving.test_triton_attention", "64"], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-@pytest.mark.skipif(IN_PROCESS or COMPILING, reason="the kernels run in this process")
+@pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
 def test_the_module_in_a_fresh_interpreter():
     """This session imported triton before TRITON_INTERPRET=1 could be set: run the module where it can be."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
@@ -301,6 +238,3 @@ def test_supported():
     assert not ta.supported(cache.to(torch.int8), 64, 16)
 
 
-if COMPILING:
-    for dim in sys.argv[1:]:
-        _compile_launches_for_sm90(int(dim))

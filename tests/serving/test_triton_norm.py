@@ -1,12 +1,11 @@
 """The fused residual-add + RMSNorm and SiLU-gate kernels against the torch code they replace: under triton's CPU
 interpreter here, compiled on a GPU where there is one (``pytest tests/serving/test_triton_norm.py`` on the device
-runs the same tests on CUDA tensors), and compiled for an H100 without one.
+runs the same tests on CUDA tensors); ``test_triton_sm90`` compiles the launches for sm_90 without one.
 
 Outputs are poisoned with NaN before each call, so an element a kernel forgot to write fails the comparison. As in
 ``test_triton_attention``, the interpreter must be on before triton is first imported: run alone this module
 switches it on; where an earlier module imported triton without it, ``test_the_module_in_a_fresh_interpreter``
-runs the module again in a new process. Run as a script (``python -m tests.serving.test_triton_norm 2048``) it
-compiles the launches for sm_90 instead (``test_launches_compile_for_sm90`` does that in a subprocess).
+runs the module again in a new process.
 
 The interpreter casts fp32 to bf16 by truncation (``triton.runtime.interpreter._convert_float`` without a
 rounding mode), where a GPU rounds to nearest even as torch does: bf16 results match torch bit for bit on CUDA
@@ -24,9 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-COMPILING = __name__ == "__main__"  # run as the sm_90 compile check, not as tests
 ON_CUDA = torch.cuda.is_available()
-if not COMPILING and not ON_CUDA:
+if not ON_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
@@ -34,7 +32,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from serving.engine import triton_norm as tn  # noqa: E402
 
-IN_PROCESS = not COMPILING and isinstance(triton.language.max, InterpretedFunction)
+IN_PROCESS = isinstance(triton.language.max, InterpretedFunction)
 if IN_PROCESS and not tn.interpreted():  # the kernel module alone was imported before the switch: decorate again
     tn = importlib.reload(tn)
 in_process = pytest.mark.skipif(not (IN_PROCESS or ON_CUDA), reason="triton was imported before TRITON_INTERPRET=1 "
@@ -148,65 +146,7 @@ def test_supported():
     assert not tn.supported(t.to(torch.int32))
 
 
-class _Launches:
-    """Stands in for a jitted kernel: records each launch's arguments instead of running it."""
-
-    def __init__(self, kernel):
-        self.fn, self.calls = kernel.fn, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
-
-
-def _triton_type(arg) -> str:
-    if isinstance(arg, torch.Tensor):
-        return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[arg.dtype]
-    return "fp32" if isinstance(arg, float) else "i32"
-
-
-def _aligned(arg) -> bool:
-    """What triton's launcher marks 16-divisible on a GPU (and then vectorizes on): every tensor (allocations are
-    aligned), every int divisible by 16."""
-    return isinstance(arg, torch.Tensor) or (isinstance(arg, int) and arg % 16 == 0)
-
-
-def _compile_launches_for_sm90(hidden: int) -> None:
-    """Compile what the launchers launch in bf16 at this hidden size (and the SiLU gate at 4x it, the Llama-3
-    ratio) for sm_90 with the wheel's own ptxas. Tensors on the meta device: only shapes and dtypes reach a launch."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    launches = {name: _Launches(getattr(tn, name)) for name in ("_add_rms_norm_kernel", "_silu_mul_kernel")}
-    for name, recorder in launches.items():
-        setattr(tn, name, recorder)
-    h = torch.empty(16, hidden, dtype=torch.bfloat16, device="meta")
-    for delta in (None, h):
-        tn.add_rms_norm(h, delta, h[0], EPS, h)
-    tn.silu_mul(torch.empty(16, 8 * hidden, dtype=torch.bfloat16, device="meta"), h.new_empty(16, 4 * hidden))
-    for recorder in launches.values():
-        kernel = JITFunction(recorder.fn)
-        for args, kwargs in recorder.calls:
-            options = {"num_warps": kwargs.pop("num_warps")}
-            signature = {n: _triton_type(a) for n, a in zip(kernel.arg_names, args)}
-            signature |= dict.fromkeys(kwargs, "constexpr")
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(args) if _aligned(a)}
-            compiled = triton.compile(ASTSource(kernel, signature, kwargs, attrs), target=GPUTarget("cuda", 90, 32),
-                                      options=options)
-            assert "ld.global.v4.b32" in compiled.asm["ptx"], f"{kernel.__name__}: loads not 16 bytes wide"
-
-
-def test_launches_compile_for_sm90():
-    """The interpreter checks no types or register limits: every launch compiles for an H100 at the Llama-3 1B
-    hidden size (2048), the 70B's (8192, the largest row held in registers) and 16384 (the chunked loop), with
-    16-byte loads."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.serving.test_triton_norm", "2048", "8192", "16384"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-@pytest.mark.skipif(IN_PROCESS or COMPILING or ON_CUDA, reason="the kernels run in this process")
+@pytest.mark.skipif(IN_PROCESS or ON_CUDA, reason="the kernels run in this process")
 def test_the_module_in_a_fresh_interpreter():
     """This session imported triton before TRITON_INTERPRET=1 could be set: run the module where it can be."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
@@ -215,6 +155,3 @@ def test_the_module_in_a_fresh_interpreter():
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-if COMPILING:
-    for size in sys.argv[1:]:
-        _compile_launches_for_sm90(int(size))

@@ -1,14 +1,11 @@
 """The fused rotary-embedding + KV-store Triton kernel against the compact forward's torch code (``_rope`` and the
-cache store by ``index_copy_``), and compiled for an H100 without one.
+cache store by ``index_copy_``); ``test_triton_sm90`` compiles the launch for sm_90 without a GPU.
 
 On CPU the kernel runs under triton's interpreter on small shapes; where torch sees a GPU the same tests run the
 compiled kernel on it. Outputs and caches are poisoned with NaN first, so an element the kernel forgot to write,
 or wrote where it should not, fails. The interpreter must be on before triton is first imported (``@triton.jit``
 decides at decoration); when an earlier module of the session imported triton without it,
-``test_the_module_in_a_fresh_interpreter`` runs this module again in a new process.
-
-Run as a script (``python -m tests.serving.test_triton_rope 64 128``) the module compiles the launcher's kernel
-for sm_90 instead, which needs triton without the interpreter: ``test_launch_compiles_for_sm90`` runs it so."""
+``test_the_module_in_a_fresh_interpreter`` runs this module again in a new process."""
 
 from __future__ import annotations
 
@@ -21,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-COMPILING = __name__ == "__main__"  # run as the sm_90 compile check, not as tests
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if not COMPILING and DEVICE == "cpu":
+if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
@@ -32,7 +28,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from serving.engine import triton_rope as tr  # noqa: E402
 from serving.engine.compact_llama import CompactLlama  # noqa: E402
 
-RUNNABLE = not COMPILING and (DEVICE == "cuda" or isinstance(triton.language.max, InterpretedFunction))
+RUNNABLE = (DEVICE == "cuda" or isinstance(triton.language.max, InterpretedFunction))
 if RUNNABLE and DEVICE == "cpu" and not tr.interpreted():  # the kernel module was imported before the switch
     tr = importlib.reload(tr)
 runnable = pytest.mark.skipif(not RUNNABLE, reason="triton was imported before TRITON_INTERPRET=1 was set: "
@@ -172,58 +168,7 @@ def test_supported():
     assert not tr.supported(w.to(torch.int8), 64)
 
 
-class _Launches:
-    """Stands in for the kernel: records what the launcher passes (``kernel[grid](*args, **constexprs)``)."""
-
-    def __init__(self, kernel):
-        self.fn, self.calls = kernel.fn, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
-
-
-def _triton_type(arg) -> str:
-    if isinstance(arg, torch.Tensor):
-        return "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                      torch.int64: "i64"}[arg.dtype]
-    return "i32"
-
-
-def _compile_launch_for_sm90(head_dim: int) -> None:
-    """Compile what the launcher launches (bf16, 32 query heads on 8 KV heads: the Llama-3 shapes, int32 step
-    inputs) for sm_90 with the wheel's own ptxas. Tensors on the meta device: only shapes, strides and dtypes
-    reach a launch."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    recorder = _Launches(tr._rope_store_kernel)
-    tr._rope_store_kernel = recorder
-    meta = {"device": "meta", "dtype": torch.bfloat16}
-    heads, kv_heads, tokens = 32, 8, 16
-    qkv = torch.empty(tokens, (heads + 2 * kv_heads) * head_dim, **meta)
-    table = torch.empty(4096, 1, head_dim, **meta)
-    cache = torch.empty(64, 16, kv_heads, head_dim, **meta)
-    idx = torch.empty(tokens, dtype=torch.int32, device="meta")
-    tr.rope_and_store(qkv, idx, table, table, heads, kv_heads, head_dim, cache, cache, idx,
-                      torch.empty(tokens, heads, head_dim, **meta))
-    kernel = JITFunction(recorder.fn)
-    (args, kwargs), = recorder.calls
-    options = {"num_warps": kwargs.pop("num_warps")}
-    signature = {n: _triton_type(a) for n, a in zip(kernel.arg_names, args)} | dict.fromkeys(kwargs, "constexpr")
-    triton.compile(ASTSource(kernel, signature, kwargs), target=GPUTarget("cuda", 90, 32), options=options)
-
-
-def test_launch_compiles_for_sm90():
-    """The interpreter checks no types: the launch compiles for an H100 (head_dim 64, the benchmark model's, and
-    128, Llama-3 8B's), no GPU needed."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.serving.test_triton_rope", "64", "128"], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-@pytest.mark.skipif(RUNNABLE or COMPILING, reason="the kernel runs in this process")
+@pytest.mark.skipif(RUNNABLE, reason="the kernel runs in this process")
 def test_the_module_in_a_fresh_interpreter():
     """This session imported triton before TRITON_INTERPRET=1 could be set: run the module where it can be."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
@@ -232,6 +177,3 @@ def test_the_module_in_a_fresh_interpreter():
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-if COMPILING:
-    for dim in sys.argv[1:]:
-        _compile_launch_for_sm90(int(dim))

@@ -18,13 +18,17 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("group", sorted(GROUPS))
-def test_launches_fit_the_shared_memory_of_sm90(group):
+def test_launches_fit_the_shared_memory_of_sm90():
+    """One subprocess for every group (triton without the interpreter; each launch compiled for sm_90)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "tests.serving.sm90_launches", group], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "tests.serving.sm90_launches", *sorted(GROUPS)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert rows, done.stdout[-2000:]
+    assert {r["group"] for r in rows} == set(GROUPS), done.stdout[-2000:]
     over = [r for r in rows if r["shared"] > SHARED_LIMIT]
     assert not over, over
+    # the row-wise kernels move little data per thread: unless their loads are 16 bytes wide they are slow
+    narrow = [r for r in rows if r["kernel"] in ("_add_rms_norm_kernel", "_silu_mul_kernel") and
+              not r["loads_16_bytes"]]
+    assert not narrow, narrow
