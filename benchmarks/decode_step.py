@@ -25,7 +25,7 @@ from benchmarks.bench_model import DEFAULT_MODEL_DIR, build_bench_model  # noqa:
 from serving.engine.config import EngineConfig  # noqa: E402
 from serving.engine.model_runner import ModelRunner  # noqa: E402
 from serving.engine.sampling_params import SamplingParams  # noqa: E402
-from serving.engine.scheduler import ScheduledSeq  # noqa: E402
+from serving.engine.scheduled_seq import ScheduledSeq  # noqa: E402
 from serving.engine.sequence import Sequence  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """What Ray costs the fleet: replica start time, and latency through the gateway, the Ray backend against the
 local one, on the same machine and model.
 
-Two fleets (``serving.rollout.fleet.Fleet``, as `deploy` runs them): one on the local backend (a replica is a
+Two fleets (``serving.fleet.fleet.Fleet``, as `deploy` runs them): one on the local backend (a replica is a
 `lifecycle serve` process on 127.0.0.1), one on the Ray backend (a replica is a Ray actor that starts the same
 process where Ray places it) on a one-node Ray cluster started here with `ray start --head --block` (stopped
 at the end; ``--ray-address`` uses yours instead). Then:
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace, logs: Path) -> None:
 
 
 def _fleet(args: argparse.Namespace, root: Path, backend: str, address: str):
-    from serving.rollout.fleet import Fleet
+    from serving.fleet.fleet import Fleet
 
     fleet = Fleet(root, MODEL_NAME, "", backend=backend, ray_address=address, threads=args.threads,
                   kv_memory=args.kv_memory)

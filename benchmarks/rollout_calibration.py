@@ -93,7 +93,7 @@ class Calibration:
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
-        from serving.rollout.fleet import Fleet
+        from serving.fleet.fleet import Fleet
 
         old = self.work / "fleet"
         if (old / "fleet.json").is_file():  # a calibration stopped hard before: its processes are ours
@@ -119,7 +119,7 @@ class Calibration:
             self.fleet.stop_all()
 
     def _gateway(self):
-        from serving.rollout.gateway_client import GatewayAdmin
+        from serving.fleet.gateway_client import GatewayAdmin
 
         return GatewayAdmin(self.fleet.record.gateway_url, self.fleet.admin_key())
 

@@ -3,7 +3,7 @@ rollout.
 
 Each stage reads the previous stage's output directory and writes its own, so any stage can be re-run,
 cached or moved to another machine; this module only decides the order and the MLflow run structure (the
-stages and their cache keys are in `flows.stages`). Stage logic lives in the stage packages. Importing this
+stages and their cache keys are in `flows.stage_tasks`). Stage logic lives in the stage packages. Importing this
 module is cheap; heavy imports happen inside the stages.
 """
 
@@ -26,7 +26,7 @@ from flows.ray_runner import stage_runner
 from flows.recipe import load_recipe
 from flows.report import PipelineReport, draft_note, quantized_table, stage_change_note
 from flows.stage_runner import StageOutput, console
-from flows.stages import (
+from flows.stage_tasks import (
     PipelineContext,
     base_stage,
     bundle_stage,
@@ -67,9 +67,10 @@ def _run_timeout() -> float | None:
       on_crashed=[notify_failure], timeout_seconds=_run_timeout())
 def lifecycle(recipe_path: str) -> dict[str, Any]:
     """Run every enabled stage of the recipe; finished stages come from Prefect's cache."""
-    from flows import quiet_logs
+    from flows import quiet_logs, stop_signals
 
     quiet_logs.install()  # also when a worker, not `lifecycle run`, started this run
+    stop_signals.reclaim()  # `lifecycle run`, not Prefect's engine, decides how a stopped run ends (run_stop.py)
     started = time.perf_counter()
     recipe = load_recipe(recipe_path)
     workdir = resolve_workdir(recipe.workdir)

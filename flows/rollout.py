@@ -20,12 +20,8 @@ from flows.recipe import RolloutSection
 console = Console(stderr=True)
 
 
-def _timeline_markdown(directory: str) -> str:
-    from serving.rollout import report
-    from serving.rollout.state import StateFile
-
-    state = StateFile(directory).load()
-    return report.timeline_markdown(state) + "\n" + report.comparison_markdown(state)
+def _say(line: str) -> None:
+    console.print(line, highlight=False)
 
 
 def _artifact_key(text: str) -> str:
@@ -36,15 +32,16 @@ def _artifact_key(text: str) -> str:
 def rollout_flow(rollout_dir: str, max_seconds: float | None = None) -> dict[str, Any]:
     """Drive the rollout persisted in ``rollout_dir`` until it is promoted or rolled back (resumes one
     a killed process left), then retire the replicas no variant routes to."""
-    from serving.rollout.controller import Controller
+    from serving.rollout import Controller
+    from serving.rollout.report import rollout_markdown
 
-    controller = Controller(rollout_dir, say=lambda line: console.print(line, highlight=False))
+    controller = Controller(rollout_dir, say=_say)
     try:
         state = controller.run_until_done(max_seconds)
     finally:
         controller.close()
     _retire(state)
-    create_markdown_artifact(markdown=_timeline_markdown(rollout_dir), key=_artifact_key(state.id),
+    create_markdown_artifact(markdown=rollout_markdown(rollout_dir), key=_artifact_key(state.id),
                              description=f"rollout of v{state.spec.candidate_version}: {state.phase}")
     return {"id": state.id, "phase": state.phase, "reason": state.reason, "mlflow_run_id": state.mlflow_run_id}
 
@@ -52,16 +49,11 @@ def rollout_flow(rollout_dir: str, max_seconds: float | None = None) -> dict[str
 def _retire(state) -> None:
     if not state.terminal or not state.spec.fleet_dir:
         return
-    from serving.rollout.fleet import Fleet
-    from serving.rollout.gateway_client import GatewayAdmin
+    from serving.fleet import Fleet
 
     fleet = Fleet(state.spec.fleet_dir, state.spec.model_name, state.spec.tracking_uri)
-    gateway = GatewayAdmin(state.spec.gateway_url, fleet.admin_key())
-    try:
-        for replica in fleet.retire_unrouted(gateway.routing()):
-            console.print(f"retired the replica of v{replica.version} ({replica.url})", highlight=False)
-    finally:
-        gateway.close()
+    for replica in fleet.retire_unrouted():
+        console.print(f"retired the replica of v{replica.version} ({replica.url})", highlight=False)
 
 
 # ----------------------------------------------------------------------------- the pipeline's rollout stage
@@ -84,7 +76,7 @@ def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bun
     ``first_champion`` (version, bundle): where no champion exists yet, install this one first (the full
     precision build of the same model) and roll the candidate out against it, so the very first run already
     checks online, in front of traffic, what the fidelity report predicts offline for the 4-bit candidate."""
-    from serving.rollout.registry_console import RegistryConsole
+    from serving.rollout import RegistryConsole
 
     registry = RegistryConsole(model_name, tracking_uri)
     champion = registry.alias_version("champion")
@@ -106,7 +98,7 @@ def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bun
                 f"--probes {data_dir} --wait")
         console.print(f"[yellow]- rollout[/] manual: {line}", highlight=False)
         return RolloutOutcome(version, "manual", [line])
-    from serving.rollout.fleet import Fleet
+    from serving.fleet import Fleet
 
     f = section.fleet
     fleet = Fleet(fleet_dir, model_name, tracking_uri, backend=f.backend, ray_address=f.ray_address or None,
@@ -130,16 +122,13 @@ def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bun
 
 
 def _install_first(fleet, model_name: str, version: str, bundle: str, tracking_uri: str) -> RolloutOutcome:
-    from serving.rollout.install import install_champion
+    from serving.rollout import install_on_fleet
 
     console.print(f"[bold cyan]▶ rollout[/] no champion yet: v{version} becomes champion after a smoke check",
                   highlight=False)
-    replica = fleet.start_replica(bundle, version)
-    url = fleet.ensure_gateway(champion=replica)
-    result = install_champion(model_name=model_name, version=version, replica_url=replica.url,
-                              served_model=replica.served_model, gateway_url=url, admin_key=fleet.admin_key(),
+    result = install_on_fleet(fleet, model_name=model_name, version=version, bundle=bundle,
                               tracking_uri=tracking_uri, cause="first champion: no champion before",
-                              actor="lifecycle pipeline", other_gateway_urls=fleet.record.other_gateways)
+                              actor="lifecycle pipeline", first=True)
     line = f"v{version} is champion (first champion, smoke check passed; MLflow run {result['run_id']})"
     console.print(f"[green]✓ rollout[/] {line}", highlight=False)
     return RolloutOutcome(version, "champion-installed", [line], result["run_id"])
@@ -147,11 +136,7 @@ def _install_first(fleet, model_name: str, version: str, bundle: str, tracking_u
 
 def _roll_out(section: RolloutSection, fleet, model_name: str, version: str, champion: str, bundle: str,
               data_dir: str, tracking_uri: str, eval_passed: bool | None) -> RolloutOutcome:
-    from artifacts.common.workdir import resolve_workdir
-    from artifacts.registry import resolve_bundle
-    from serving.rollout import report
-    from serving.rollout.controller import Controller
-    from serving.rollout.state import RolloutSpec
+    from serving.rollout import report, start_rollout
     from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 
     plan = section.plan
@@ -160,30 +145,19 @@ def _roll_out(section: RolloutSection, fleet, model_name: str, version: str, cha
     console.print(f"[bold cyan]▶ rollout[/] v{version} against champion v{champion}: starting the "
                   f"{fleet.record.backend} fleet",
                   highlight=False)
-    champion_bundle = resolve_bundle(f"models:/{model_name}/{champion}", resolve_workdir().deployments,
-                                     tracking_uri=tracking_uri)
-    champion_replica = fleet.start_replica(champion_bundle, champion)
-    url = fleet.ensure_gateway(champion=champion_replica)
-    candidate, baseline = fleet.start_rollout_replicas(bundle, version, champion_replica)
-    spec = RolloutSpec(model_name=model_name, candidate_version=version, champion_version=champion,
-                       candidate_replicas=[candidate.url], champion_replicas=[champion_replica.url],
-                       candidate_served_model=candidate.served_model,
-                       champion_served_model=champion_replica.served_model, baseline_replicas=[baseline.url],
-                       gateway_url=url, other_gateway_urls=fleet.record.other_gateways,
-                       admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri, plan=plan,
-                       eval_passed=eval_passed, fleet_dir=str(fleet.root))
+    controller = start_rollout(fleet, model_name=model_name, version=version, bundle=bundle, champion=champion,
+                               tracking_uri=tracking_uri, plan=plan, eval_passed=eval_passed, say=_say)
+    directory, url = controller.files.dir, controller.state.spec.gateway_url
     t = section.traffic
     traffic = TrafficGenerator(url, fleet.user_key(), TrafficSpec(
         data_dir=data_dir, users=t.users, concurrency=t.concurrency, max_tokens=t.max_tokens,
         stream_fraction=t.stream_fraction, temperature=t.temperature), model=model_name).start()
     started = time.perf_counter()
     try:
-        directory = fleet.rollouts / f"v{version}-{time.strftime('%Y%m%d-%H%M%S')}"
-        controller = Controller.create(directory, spec, say=lambda line: console.print(line, highlight=False))
         # a pipeline run does not wait for a person: a pause ends the stage, the rollout stays resumable
         state = controller.run_until_done(stop_when_waiting=True)
-        controller.close()
     finally:
+        controller.close()
         stats = traffic.stop()
     lines = report.timeline_lines(state)
     lines.append(f"traffic: {stats.sent} requests from {t.users} users, {stats.user_errors} errors seen by users, "
@@ -191,7 +165,7 @@ def _roll_out(section: RolloutSection, fleet, model_name: str, version: str, cha
     if not state.terminal:
         lines.append(f"{state.phase}: {state.reason} — resume with `lifecycle rollout run {directory}` after "
                      "deciding in the MLflow UI")
-    create_markdown_artifact(markdown=_timeline_markdown(str(directory)), key=_artifact_key(state.id),
+    create_markdown_artifact(markdown=report.rollout_markdown(directory), key=_artifact_key(state.id),
                              description=f"rollout of v{version}: {state.phase}")
     mark = "[green]✓" if state.phase == "promoted" else "[red]✗" if state.phase == "rolled_back" else "[yellow]…"
     console.print(f"{mark} rollout[/] v{version}: {state.phase}" + (f" ({state.reason})" if state.reason else ""),

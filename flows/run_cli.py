@@ -26,6 +26,16 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from flows.run_stop import RunStop, StopRequested, resume_command
+
+    with RunStop(resume_command(args.recipe, args.json_out)) as stop:
+        try:
+            return _run_flow(args)
+        except StopRequested as request:
+            return stop.finish(request)
+
+
+def _run_flow(args: argparse.Namespace) -> int:
     from flows.preflight import preflight
     from flows.recipe import load_recipe
 
@@ -49,14 +59,28 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _ui(args: argparse.Namespace) -> int:
+    """Run `mlflow ui` until it exits or this command is stopped; either way none of its processes outlive it."""
+    from artifacts.common.process_group import terminate_group
     from flows.recipe import load_recipe
+    from flows.stop_signals import StopRequested, StopSignals
 
     workdir = resolve_workdir(load_recipe(args.recipe).workdir if args.recipe else None)
     prepare_environment(workdir)
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", resolve_tracking_uri(workdir=workdir),
                "--host", "127.0.0.1", "--port", str(args.port)]
-    print("MLflow UI on http://127.0.0.1:%d (Ctrl-C to stop)" % args.port)
-    return subprocess.call(command, env=os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    print("MLflow UI on http://127.0.0.1:%d (Ctrl-C to stop)" % args.port, flush=True)
+    with StopSignals():
+        try:
+            # its own session: its uvicorn workers form one group with it, and a terminal's Ctrl-C reaches
+            # them only through us
+            server = subprocess.Popen(command, env=os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                                      start_new_session=True)
+            try:
+                return server.wait()
+            finally:
+                terminate_group(server)
+        except StopRequested as request:
+            return request.exit_status
 
 
 def _print_summary(result: dict, seconds: float) -> None:

@@ -2,9 +2,14 @@
 
 Why one generic task: every stage has the same life — derive a key from its config and its
 inputs' keys, write into a directory named by that key, log params/metrics into a nested MLflow
-run, and mark the directory complete last. Prefect caches on the key, and the flow refreshes that
-cache whenever the directory is not complete, so deleting an output re-runs exactly that stage, and a
+run, and mark the directory done last. Prefect caches on the key, and the flow refreshes that
+cache whenever the directory is not done, so deleting an output re-runs exactly that stage, and a
 stage killed half-way is re-run (the stage itself resumes from its checkpoints).
+
+`STAGE_DONE.json` is the one record that a pipeline stage is done, for every stage. A training stage's own
+directory also holds training's `.training-finished.json` (training.checkpoints): that one says only that the
+fine-tune itself finished, so that a stage re-run after the fine-tune but before this record (a crash while
+logging) reuses the trained model instead of training it again.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from flows.ray_runner import at_default_priority, ray_placement
 
 console = Console(stderr=True)
 
-DONE_MARKER = "STAGE_DONE.json"
+DONE_MARKER = "STAGE_DONE.json"  # the stage's StageOutput, written last: the stage is done
 
 
 @dataclass
@@ -68,7 +73,8 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     return f"{work.stage}-{work.key}"
 
 
-def is_complete(out_dir: Path) -> bool:
+def stage_is_done(out_dir: Path) -> bool:
+    """Whether the stage that writes `out_dir` finished: only then is Prefect's cached result for it trusted."""
     return (out_dir / DONE_MARKER).is_file()
 
 
@@ -108,7 +114,7 @@ def _is_transient(task: Any, task_run: Any, state: Any) -> bool:
 
 
 def stage_task_body(work: StageWork, parent_run_id: str | None) -> StageOutput:
-    """What the `run_stage` task does: run the work in a nested MLflow run, then mark its directory complete."""
+    """What `stage_task` does: run the work in a nested MLflow run, then record its directory as done."""
     started = time.perf_counter()
     at_default_priority()  # a Ray worker starts at niceness 15
     work.out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,14 +141,14 @@ def stage_task_body(work: StageWork, parent_run_id: str | None) -> StageOutput:
             seconds=round(time.perf_counter() - started, 2),
         )
     console.print(f"[green]✓ {work.stage}[/] in {output.seconds:.1f}s", highlight=False)
-    _write_marker(work.out_dir, output)
+    _write_done_record(work.out_dir, output)
     return output
 
 
 # Decorated here rather than with `@task` above the body: then `flows.stage_runner.stage_task_body` names the plain
 # function, so a Ray worker unpickles it by reference (a function Python cannot find under its own name is
 # pickled by value, module globals and all, and the terminal's console cannot be).
-run_stage = task(
+stage_task = task(
     name="stage",
     task_run_name="{work.stage}",
     cache_key_fn=_cache_key,
@@ -153,7 +159,7 @@ run_stage = task(
 )(stage_task_body)
 
 
-def _write_marker(out_dir: Path, output: StageOutput) -> None:
+def _write_done_record(out_dir: Path, output: StageOutput) -> None:
     atomic_write_json(out_dir / DONE_MARKER, asdict(output), sort_keys=False)
 
 

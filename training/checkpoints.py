@@ -1,9 +1,14 @@
-"""Resume and skip: which checkpoint a re-run continues from, and the completion marker of a finished stage.
+"""Resume and skip: which checkpoint a re-run continues from, and the marker of a finished fine-tune.
 
-Layout of a stage's output dir: the merged HF model at the top, `adapter/`, `checkpoints/checkpoint-N/` while
-training, `stage_result.json`, and `.stage-complete.json` written last by one atomic rename. A re-run with the
-same fingerprint (stage config + input model + data digests) skips a finished stage and resumes an unfinished
-one from its newest complete checkpoint; a different fingerprint starts the stage over.
+Layout of a fine-tune's output dir: the merged HF model at the top, `adapter/`, `checkpoints/checkpoint-N/`
+while training, `stage_result.json`, and `.training-finished.json` written last by one atomic rename. A re-run
+with the same fingerprint (stage config + input model + data digests) skips a finished fine-tune and resumes an
+unfinished one from its newest complete checkpoint; a different fingerprint starts it over.
+
+The marker belongs to training, not to the pipeline: it holds the fingerprint a finished fine-tune was trained
+for, and it is what a re-run and the distributed launcher (rank 0 writes it) check. Whether a pipeline stage is
+done is the flow's `STAGE_DONE.json` one directory up (flows.stage_runner), written after the stage's MLflow
+logging.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 from artifacts.common.atomic import atomic_write_json
 from artifacts.digests import digest_json, sha256_file
 
-MARKER_NAME = ".stage-complete.json"
+FINISHED_MARKER = ".training-finished.json"
 CHECKPOINTS_DIR = "checkpoints"
 FINGERPRINT_NAME = "fingerprint.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -40,8 +45,8 @@ def stage_fingerprint(stage: str, config: dict[str, Any], model_dir: Path, data_
                         "data": data_digests})
 
 
-def read_marker(output_dir: Path) -> dict[str, Any] | None:
-    path = Path(output_dir) / MARKER_NAME
+def read_finished_marker(output_dir: Path) -> dict[str, Any] | None:
+    path = Path(output_dir) / FINISHED_MARKER
     if not path.is_file():
         return None
     try:
@@ -50,12 +55,13 @@ def read_marker(output_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def write_marker(output_dir: Path, fingerprint: str, extra: dict[str, Any] | None = None) -> None:
-    atomic_write_json(Path(output_dir) / MARKER_NAME, {"fingerprint": fingerprint, **(extra or {})})
+def write_finished_marker(output_dir: Path, fingerprint: str, extra: dict[str, Any] | None = None) -> None:
+    atomic_write_json(Path(output_dir) / FINISHED_MARKER, {"fingerprint": fingerprint, **(extra or {})})
 
 
-def is_complete(output_dir: Path, fingerprint: str) -> bool:
-    marker = read_marker(output_dir)
+def training_finished(output_dir: Path, fingerprint: str) -> bool:
+    """Whether `output_dir` holds a fine-tune finished for exactly this fingerprint."""
+    marker = read_finished_marker(output_dir)
     return marker is not None and marker.get("fingerprint") == fingerprint
 
 
@@ -108,6 +114,6 @@ def prepare_checkpoints(output_dir: Path, fingerprint: str) -> tuple[Path, Path 
 
 def clear_stale_outputs(output_dir: Path) -> None:
     """Drop the marker of a finished run with another fingerprint before this run rewrites the directory."""
-    marker = Path(output_dir) / MARKER_NAME
+    marker = Path(output_dir) / FINISHED_MARKER
     if marker.exists():
         marker.unlink()

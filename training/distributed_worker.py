@@ -1,11 +1,11 @@
 """`python -m training.distributed_worker JOB`: one worker process of a distributed training stage.
 
 The launcher (training.launcher) starts N of these with torch.distributed's env:// variables set; each reads
-the job file and runs the same stage function a single process would (`training.stages.run_stage` for SFT, DPO
-and GRPO, `training.draft.build_draft` for the draft), which sees it is a worker (training.ranks) and trains
-its share: the Hugging Face Trainer, or the draft's accelerate loop, builds DDP or FSDP from the environment,
-and rank 0 alone writes the outputs. A failure is written to `error-rank-<r>.json` for the launcher to
-report; a user error (a LifecycleError) is one line, not a traceback.
+the job file and runs the same stage function a single process would (`training.finetune_stage.run_finetune_stage`
+for SFT, DPO and GRPO, `training.draft.build_draft` for the draft), which sees it is a worker (training.ranks)
+and trains its share: the Hugging Face Trainer, or the draft's accelerate loop, builds DDP or FSDP from the
+environment, and rank 0 alone writes the outputs. A failure is written to `error-rank-<r>.json` for the launcher
+to report; a user error (a LifecycleError) is one line, not a traceback.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def run_job(job: dict[str, Any]) -> None:
     if job["kind"] == "stage":
         module, spec_name, config_name = STAGES[job["stage"]]
         from training import stage_config
-        from training.stages import run_stage
+        from training.finetune_stage import run_finetune_stage
 
         spec = getattr(importlib.import_module(module), spec_name)
         config = getattr(stage_config, config_name)(**job["config"])
-        run_stage(spec, config, Path(job["model_dir"]), Path(job["data_dir"]), Path(job["output_dir"]))
+        run_finetune_stage(spec, config, Path(job["model_dir"]), Path(job["data_dir"]), Path(job["output_dir"]))
     elif job["kind"] == "draft":
         from training.draft import build_draft
         from training.draft_config import DraftConfig

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from training.finetune_stage import StageContext, StageSpec, run_finetune_stage
 from training.lora import keep_adapters_fp32
 from training.stage_config import DPOStageConfig, StageResult, TrainingError
-from training.stages import StageContext, StageSpec, run_stage
 
 _COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -48,4 +48,4 @@ DPO_SPEC = StageSpec(name="dpo", data_file="pref_train.jsonl", required_columns=
 
 def run_dpo(config: DPOStageConfig, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:
     """DPO from `model_dir` (SFT's output; also the reference model) on `data_dir/pref_train.jsonl`."""
-    return run_stage(DPO_SPEC, config, model_dir, data_dir, output_dir)
+    return run_finetune_stage(DPO_SPEC, config, model_dir, data_dir, output_dir)

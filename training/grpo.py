@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from artifacts.common.stop_tokens import stop_token_ids
+from training.finetune_stage import StageContext, StageSpec, run_finetune_stage
 from training.heldout_curve import METRIC as HELDOUT_METRIC
 from training.informative_groups import informative_groups_trainer
 from training.lora import keep_adapters_fp32
 from training.rewards import build_reward_functions
 from training.stage_config import GRPOStageConfig, StageResult, TrainingError
-from training.stages import StageContext, StageSpec, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -172,4 +172,4 @@ GRPO_SPEC = StageSpec(name="grpo", data_file="grpo_train.jsonl", required_column
 
 def run_grpo(config: GRPOStageConfig, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:
     """GRPO from `model_dir` (DPO's output; also the KL reference) on `data_dir/grpo_train.jsonl`."""
-    return run_stage(GRPO_SPEC, config, model_dir, data_dir, output_dir)
+    return run_finetune_stage(GRPO_SPEC, config, model_dir, data_dir, output_dir)

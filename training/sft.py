@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from training.finetune_stage import StageContext, StageSpec, run_finetune_stage
 from training.lora import keep_adapters_fp32
 from training.stage_config import SFTStageConfig, StageResult, TrainingError
-from training.stages import StageContext, StageSpec, run_stage
 
 
 def _to_rows(records: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
@@ -41,4 +41,4 @@ SFT_SPEC = StageSpec(name="sft", data_file="sft_train.jsonl", required_columns=(
 
 def run_sft(config: SFTStageConfig, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:
     """SFT from `model_dir` (the base) on `data_dir/sft_train.jsonl`; returns the merged model in `output_dir`."""
-    return run_stage(SFT_SPEC, config, model_dir, data_dir, output_dir)
+    return run_finetune_stage(SFT_SPEC, config, model_dir, data_dir, output_dir)

@@ -17,12 +17,13 @@ from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from serving.api.async_engine import AsyncEngine, EngineClient
 from serving.api.chat import ChatServing
-from serving.api.common import APIError, ClientDisconnectedError, ServerState, error_response, next_output
 from serving.api.completion import CompletionServing
-from serving.api.engine_client import EngineView
+from serving.api.engine_client import EngineClient
+from serving.api.engine_view import EngineView
+from serving.api.errors import APIError, ClientDisconnectedError, engine_api_error, error_response
 from serving.api.metrics import ServerMetrics
+from serving.api.openai_serving import next_output
 from serving.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -30,6 +31,8 @@ from serving.api.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
+from serving.api.server_state import ServerState
+from serving.api.thread_engine_client import ThreadEngineClient
 from serving.engine import InvalidRequestError, LLMEngine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -91,7 +94,7 @@ def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool =
     or, with ``client``, the engine-core process that client drives and ``engine`` views."""
     metrics = ServerMetrics(engine, model_name)
     if client is None:
-        client = AsyncEngine(engine, metrics)
+        client = ThreadEngineClient(engine, metrics)
     client.metrics = metrics
     state = ServerState(engine, client, metrics, model_name)
     app = FastAPI(title="llm-lifecycle engine", version="1", lifespan=_lifespan(state, warmup),
@@ -108,7 +111,7 @@ def _lifespan(state: ServerState, warmup: bool):
     """Start the engine client with the app (and warm it up), ready only then; stop it when the app stops."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.async_engine.start(asyncio.get_running_loop())
+        state.engine_client.start(asyncio.get_running_loop())
         if warmup:
             await _warmup(state)
         state.ready = True
@@ -116,7 +119,7 @@ def _lifespan(state: ServerState, warmup: bool):
             yield
         finally:
             state.ready = False
-            state.async_engine.stop()
+            state.engine_client.stop()
 
     return lifespan
 
@@ -129,7 +132,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, e: InvalidRequestError):
-        return error_response(APIError(400, str(e)))
+        return error_response(engine_api_error(e))
 
     @app.exception_handler(ClientDisconnectedError)
     async def _client_gone(request: Request, e: ClientDisconnectedError):
@@ -149,17 +152,17 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
     """/health, /ready, /metrics and /v1/models: what the gateway, the fleet and Prometheus ask."""
     @app.get("/health", responses={503: _error("The engine stopped (its thread failed or its process died).")})
     async def health():
-        if not state.async_engine.alive:
-            return error_response(APIError(503, f"engine stopped: {state.async_engine.error}",
+        if not state.engine_client.alive:
+            return error_response(APIError(503, f"engine stopped: {state.engine_client.error}",
                                            "service_unavailable"))
         return {"status": "ok"}
 
     @app.get("/ready", responses={503: {"description": "Loading, warming up or draining: `{\"ready\": false, "
                                                        "\"draining\": …}`."}})
     async def ready():
-        if state.ready and not state.async_engine.draining and state.async_engine.alive:
+        if state.ready and not state.engine_client.draining and state.engine_client.alive:
             return {"ready": True}
-        return JSONResponse({"ready": False, "draining": state.async_engine.draining}, status_code=503)
+        return JSONResponse({"ready": False, "draining": state.engine_client.draining}, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition, vLLM's metric names (see docs/serving.md).",
@@ -194,7 +197,7 @@ async def _warmup(state: ServerState) -> None:
     """One short generation through the whole path so the first user request pays no cold start."""
     eng = state.engine
     ids = [eng.tokenizer.bos_token_id or 0] if eng.tokenizer is not None else [0]
-    q = state.async_engine.add(f"warmup-{uuid.uuid4().hex}", ids * 4, SamplingParams(temperature=0, max_tokens=2,
+    q = state.engine_client.add(f"warmup-{uuid.uuid4().hex}", ids * 4, SamplingParams(temperature=0, max_tokens=2,
                                                                                      ignore_eos=True))
     while True:
         o = await next_output(q)

@@ -8,8 +8,12 @@ from typing import Any
 
 from fastapi import Request
 
-from serving.api.common import APIError, Generation, OpenAIServing, SamplingFactory, SubRequest, TokenIdsOut, finite
-from serving.api.protocol import ChatCompletionRequest
+from serving.api.errors import APIError
+from serving.api.generation import Generation, SubRequest
+from serving.api.openai_serving import OpenAIServing, finite
+from serving.api.protocol import ChatCompletionRequest, TextContentPart
+from serving.api.sampling_factory import SamplingFactory
+from serving.api.sse import TokenIdsOut
 from serving.engine import RequestOutput
 
 
@@ -36,16 +40,8 @@ class ChatServing(OpenAIServing):
         tok = self.tok
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content
-            if isinstance(content, list):  # OpenAI content parts: the model reads the text ones
-                for j, part in enumerate(content):
-                    if part.type == "text" and part.text is None:
-                        raise APIError(400, f"messages.{i}.content.{j}.text: a text part needs a string `text`",
-                                       param=f"messages.{i}.content.{j}.text")
-                content = "".join(part.text or "" for part in content if part.type == "text")
-            messages.append({"role": m.role, "content": content or ""})
+        messages = [{"role": m.role, "content": _text_of(m.content, f"messages.{i}.content")}
+                    for i, m in enumerate(req.messages)]
         try:
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
                                            continue_final_message=req.continue_final_message)
@@ -83,3 +79,19 @@ class ChatServing(OpenAIServing):
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return self.sse_stream(gen, "chat.completion.chunk", ids, include_usage, chunk, opening)
+
+
+def _text_of(content: str | list[TextContentPart] | None, where: str) -> str:
+    """A message's text for the chat template. The model reads text only: a part it cannot read (an image,
+    audio, a file) is refused rather than dropped, since an answer that never saw it would look like one
+    that did."""
+    if not isinstance(content, list):
+        return content or ""
+    for j, part in enumerate(content):
+        if part.type != "text":
+            what = "images are" if "image" in part.type else f"content parts of type `{part.type}` are"
+            raise APIError(400, f"{where}.{j}: {what} not supported: this model reads text only; send `text` "
+                                "parts", param=f"{where}.{j}")
+        if part.text is None:
+            raise APIError(400, f"{where}.{j}.text: a text part needs a string `text`", param=f"{where}.{j}.text")
+    return "".join(part.text for part in content)

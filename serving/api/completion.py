@@ -8,8 +8,12 @@ from typing import Any
 
 from fastapi import Request
 
-from serving.api.common import APIError, Generation, OpenAIServing, SamplingFactory, SubRequest, TokenIdsOut, finite
+from serving.api.errors import APIError
+from serving.api.generation import Generation, SubRequest
+from serving.api.openai_serving import OpenAIServing, finite
 from serving.api.protocol import CompletionRequest
+from serving.api.sampling_factory import SamplingFactory
+from serving.api.sse import TokenIdsOut
 from serving.engine import RequestOutput
 
 

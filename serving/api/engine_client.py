@@ -1,234 +1,143 @@
-"""The API process's side of the process split: start the engine core, feed it, read its outputs.
+"""The handlers' side of the engine: per-request asyncio queues fed by a step loop that runs elsewhere.
 
-``ProcessEngineClient`` is the ``EngineClient`` the handlers use when the engine runs in its own process
-(``serving.engine.core_process``). Two threads keep the event loop off the pipe in both directions: a
-writer sends what the handlers queued (several messages in one write when they pile up), a reader takes
-each step's outputs off the pipe and hands them to the loop. The core sends what each step added to a request
-(``serving.engine.output_deltas``); the reader assembles the full ``RequestOutput`` the handlers and the
-metrics read, from the prompt and parameters sent and the deltas so far. Requests are validated here, against
-the limits the core reported when it started, so a bad request is answered 400 without crossing over.
-
-``EngineView`` is what the handlers read about the engine (tokenizer, sampling defaults, context length,
-stats) without the engine in this process. If the core process dies, every request in flight ends with a
-503, /health and /ready turn 503, and nothing hangs; if it died of a device error, the server then exits
-non-zero (``serving.engine.device_errors``).
+The event loop never blocks on the model: handlers call ``add`` (validation + hand-over, cheap) and await
+their queue; the engine steps while work exists (in a thread here, ``thread_engine_client``, or in its own
+process, ``process_engine_client``) and each step's outputs reach the loop with one ``call_soon_threadsafe``.
+Draining stops admission (503) and lets in-flight requests finish; ``abort_all`` ends those still running
+when the drain timeout runs out.
 """
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
-import queue
-import signal
-import threading
+import asyncio
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from serving.api.async_engine import EngineClient, EngineDeadError
-from serving.engine.config import EngineConfig
-from serving.engine.core_process import (
-    AbortRequest,
-    AddRequest,
-    CoreFailed,
-    CoreReady,
-    CoreStep,
-    RequestRejected,
-    Shutdown,
-    run_engine_core,
-)
-from serving.engine.errors import InvalidRequestError, ModelLoadError, QueueFullError
-from serving.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
-from serving.engine.limits import RequestLimits, validate_request
-from serving.engine.output_deltas import OutputAssembler
-from serving.engine.outputs import EngineStats, RequestOutput
-from serving.engine.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
-
-_STOP_GRACE_S = 10.0
+from serving.api.metrics import ServerMetrics
+from serving.engine import EngineDrainingError, InvalidRequestError, RequestOutput, SamplingParams
 
 
-@dataclass
-class EngineView:
-    """The engine as the handlers see it from the API process (the fields of ``LLMEngine`` they read)."""
-
-    tokenizer: Any
-    sampling_defaults: SamplingDefaults
-    limits: RequestLimits
-    client: ProcessEngineClient
-
-    @property
-    def max_model_len(self) -> int:
-        return self.limits.max_model_len
-
-    def encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidRequestError("prompt: this model has no tokenizer; send token ids")
-        return self.tokenizer.encode(prompt)
-
-    def stats(self) -> EngineStats:
-        return self.client.last_stats
-
-    @classmethod
-    def load(cls, model_dir: Path, client: ProcessEngineClient) -> EngineView:
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        except (OSError, ValueError):
-            tokenizer = None  # token-id-only serving, as in the engine
-        return cls(tokenizer, read_sampling_defaults(model_dir), client.limits, client)
+class EngineDeadError(RuntimeError):
+    """The engine stopped (its thread failed, or its process died); requests in flight get a 503 and
+    /health and /ready turn 503."""
 
 
-class ProcessEngineClient(EngineClient):
-    """The engine core in a child process, driven over a pipe."""
+class RequestAbortedError(RuntimeError):
+    """Put in a request's queue when the server ends it (the drain timeout ran out): the handler finishes
+    the answer at once (a stream with finish_reason "abort", a non-streaming request with a 503)."""
 
-    def __init__(self, model_dir: Path, config: EngineConfig, log_level: str = "warning",
-                 startup_timeout_s: float = 600.0) -> None:
-        super().__init__()
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch or event-loop state
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=run_engine_core, name="engine-core", daemon=True,
-                                 args=(str(model_dir), config, child_conn, log_level))
-        self._proc.start()
-        child_conn.close()
-        ready = self._wait_ready(startup_timeout_s)
-        self.pid, self.limits, self.last_stats = ready.pid, ready.limits, ready.stats
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._unstarted: set[str] = set()  # sent, no output yet: the API side's view of the waiting queue
-        self._assembler = OutputAssembler()  # sent and not finished: what the core's deltas add up to
-        self._stopping = False
-        self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
-        self._writer = threading.Thread(target=self._write, name="engine-core-writer", daemon=True)
-        log.info("engine core process %d serving %s", self.pid, model_dir)
 
-    def _wait_ready(self, timeout_s: float) -> CoreReady:
-        deadline = time.monotonic() + timeout_s
-        while not self._conn.poll(0.2):
-            if not self._proc.is_alive():
-                raise ModelLoadError(f"engine core process {_how_it_ended(self._proc.exitcode)} while loading")
-            if time.monotonic() > deadline:
-                self._proc.kill()
-                raise ModelLoadError(f"engine core process not ready after {timeout_s:.0f} s")
-        try:
-            message = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise ModelLoadError(f"engine core process exited while loading ({exc})") from exc
-        if isinstance(message, CoreFailed):
-            self._proc.join(_STOP_GRACE_S)
-            raise ModelLoadError(message.error)
-        return message
+class EngineClient:
+    """What the handlers talk to: one asyncio queue of outputs per engine request, over an engine that steps
+    elsewhere: a thread of this process (``ThreadEngineClient``) or the engine-core process
+    (``ProcessEngineClient``). Outputs are delivered on the event loop with one
+    ``call_soon_threadsafe`` per step."""
 
-    # ----------------------------------------------------------------- lifecycle
-    def start(self, loop) -> None:
-        self._loop = loop
-        self._reader.start()
-        self._writer.start()
+    def __init__(self, metrics: ServerMetrics | None = None) -> None:
+        self.metrics = metrics
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+        self.error: BaseException | None = None
+        # the engine died of a device error (serving.engine.device_errors): the server exits so the fleet
+        # replaces the replica; ``on_fatal`` (set by the server) is called on the event loop when it happens
+        self.fatal = False
+        self.on_fatal = None
+
+    # ----------------------------------------------------------------- what each kind provides
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        raise NotImplementedError
 
     def stop(self) -> None:
-        self._stopping = True
-        self._outbox.put(Shutdown())
-        self._outbox.put(None)
-        self._proc.join(_STOP_GRACE_S)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(_STOP_GRACE_S)
-        self._conn.close()
+        raise NotImplementedError
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._proc.is_alive()
+        raise NotImplementedError
 
-    # ----------------------------------------------------------------- requests (event-loop side)
     def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        prompt = list(prompt_token_ids)  # the handler's list stays the handler's
-        params = validate_request(prompt, params, self.limits)
-        if len(self._unstarted) >= self.limits.max_queue:
-            raise QueueFullError(f"queue is full ({self.limits.max_queue} requests waiting); retry later",
-                                 retry_after=1.0)
-        self._unstarted.add(request_id)
-        message = AddRequest(request_id, prompt, params, time.monotonic())
-        self._assembler.add(request_id, prompt, params, message.arrival_time)
-        self._outbox.put(message)
+        """Hand a request to the engine; raises InvalidRequestError / QueueFullError (400 / 429)."""
+        raise NotImplementedError
 
     def _send_abort(self, request_id: str) -> None:
-        self._unstarted.discard(request_id)
-        self._outbox.put(AbortRequest(request_id))
+        raise NotImplementedError
+
+    def _engine_busy(self) -> bool:
+        return False
+
+    # ----------------------------------------------------------------- requests (event-loop side)
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block (in a plain thread) until no request is in flight; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._queues and not self._engine_busy():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        if self.draining:
+            raise EngineDrainingError("server is shutting down; not accepting new requests")
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error}")
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        try:
+            self._send_add(request_id, prompt_token_ids, params)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        return q
+
+    def abort(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is not None:
+            self._send_abort(request_id)
+
+    def abort_all(self, reason: str) -> int:
+        """End every request in flight: each handler gets ``RequestAbortedError`` and the engine frees the
+        blocks. Event-loop side; from another thread use ``abort_all_threadsafe``."""
+        queues, self._queues = self._queues, {}
+        for request_id, q in queues.items():
+            q.put_nowait(RequestAbortedError(reason))
+            self._send_abort(request_id)
+        return len(queues)
+
+    def abort_all_threadsafe(self, reason: str) -> None:
+        self._call_soon(self.abort_all, reason)
+
+    # ----------------------------------------------------------------- delivery (any thread -> event loop)
+    def _call_soon(self, fn, *args) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
-            self._unstarted.discard(o.request_id)
-        super()._deliver(outputs)
+            q = self._queues.get(o.request_id)
+            if q is None:
+                continue
+            q.put_nowait(o)
+            if o.finished:
+                self._queues.pop(o.request_id, None)
 
     def _fail_one(self, request_id: str, err: BaseException) -> None:
-        self._unstarted.discard(request_id)
-        super()._fail_one(request_id, err)
+        q = self._queues.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(err)
 
     def _fail_all(self, err: BaseException) -> None:
-        self._unstarted.clear()
-        super()._fail_all(err)
+        for q in list(self._queues.values()):
+            q.put_nowait(err)
+        self._queues.clear()
 
-    # ----------------------------------------------------------------- pipe threads
-    def _write(self) -> None:
-        while True:
-            first = self._outbox.get()
-            if first is None:
-                return
-            batch = [first]
-            while True:  # what piled up during the last write goes in one message
-                try:
-                    more = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._outbox.put(None)
-                    break
-                batch.append(more)
-            try:
-                self._conn.send(batch)
-            except (OSError, ValueError):
-                return  # the core is gone; the reader reports it
-
-    def _read(self) -> None:
-        reason = "the engine core process closed its pipe"
-        device_error = False
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            if isinstance(message, CoreStep):
-                self.last_stats = message.stats
-                outputs = [o for o in map(self._assembler.assemble, message.deltas) if o is not None]
-                if self.metrics is not None:
-                    self.metrics.observe(outputs)
-                self._call_soon(self._deliver, outputs)
-            elif isinstance(message, RequestRejected):
-                self._assembler.discard(message.request_id)
-                self._call_soon(self._fail_one, message.request_id, message.error)
-            elif isinstance(message, CoreFailed):
-                reason = f"the engine core failed: {message.error}"
-                device_error = message.device_error
-                break
-        if self._stopping:
-            return
-        self._proc.join(1.0)
-        reason += f" (process {self.pid} {_how_it_ended(self._proc.exitcode)})"
-        if device_error:  # the server exits once in-flight requests have their 503 (server.DrainingServer)
-            log.error("engine stopped: %s; answering 503 to what is in flight, then exiting", reason)
-        else:
-            log.error("engine stopped: %s; answering 503 until the server is restarted", reason)
-        self._died(EngineDeadError(reason), fatal=device_error)
-
-
-def _how_it_ended(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
+    def _died(self, err: EngineDeadError, fatal: bool = False) -> None:
+        """The engine stopped for good (any thread): fail what is in flight; /health and /ready turn 503.
+        ``fatal`` (a device error): then tell the server, which exits once those answers are written."""
+        self.error = err
+        self.fatal = fatal
+        self._call_soon(self._fail_all, err)
+        if fatal and self.on_fatal is not None:
+            self._call_soon(self.on_fatal)

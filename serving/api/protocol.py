@@ -73,7 +73,8 @@ class CompletionRequest(_Sampling):
 
 
 class TextContentPart(BaseModel):
-    """An OpenAI content part; only text parts reach the model, but every part must be well-formed."""
+    """An OpenAI content part, well-formed whatever its type; the models served read text only, so the chat
+    handler answers any other type (an image) with a 400 naming the part."""
 
     model_config = ConfigDict(extra="allow")
 

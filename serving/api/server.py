@@ -17,8 +17,9 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from serving.api.app import build_app
-from serving.api.common import ServerState
-from serving.api.engine_client import EngineView, ProcessEngineClient
+from serving.api.engine_view import EngineView
+from serving.api.process_engine_client import ProcessEngineClient
+from serving.api.server_state import ServerState
 from serving.engine import EngineConfig, LLMEngine
 from serving.engine.device_errors import DeviceFailedError
 from serving.engine.generation_defaults import SamplingDefaults
@@ -31,7 +32,7 @@ _FINAL_WRITE_S = 5.0
 # How long an idle keep-alive connection stays open: longer than the gateway keeps an idle upstream connection in
 # its pool (60 s), so the gateway drops a connection before the replica closes it. With uvicorn's default (5 s) a
 # replica that got no request or health poll for 5 s closed the connection the gateway would reuse next: a reconnect,
-# or, in the race, a failed request counted against that replica's variant (benchmarks/RESULTS.md, "Gateway: what
+# or, in the race, a failed request counted against that replica's variant (benchmarks/NOTEBOOK.md, "Gateway: what
 # a low-share variant pays").
 KEEP_ALIVE_S = 75.0
 
@@ -98,7 +99,7 @@ def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                                access_log=False, timeout_graceful_shutdown=_FINAL_WRITE_S,
                                timeout_keep_alive=KEEP_ALIVE_S)
     DrainingServer(uv_config, app.state.serving, drain_timeout_s).run()
-    client = app.state.serving.async_engine
+    client = app.state.serving.engine_client
     if client.fatal:
         raise DeviceFailedError(f"{client.error}; the server exits so that the replica is replaced")
 
@@ -114,7 +115,7 @@ class DrainingServer(uvicorn.Server):
         self._state = state
         self._drain_timeout_s = drain_timeout_s
         self._draining_started = False
-        state.async_engine.on_fatal = self._exit_after_device_error
+        state.engine_client.on_fatal = self._exit_after_device_error
 
     def _exit_after_device_error(self) -> None:
         """On the event loop, after the in-flight requests were failed: stop serving (run_server raises)."""
@@ -125,7 +126,7 @@ class DrainingServer(uvicorn.Server):
         if sig != signal.SIGTERM or self._draining_started:
             return super().handle_exit(sig, frame)
         self._draining_started = True
-        engine = self._state.async_engine
+        engine = self._state.engine_client
         engine.draining = True
         log.info("SIGTERM: draining %d in-flight request(s), for at most %.1fs", engine.num_in_flight(),
                  self._drain_timeout_s)

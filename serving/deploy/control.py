@@ -69,9 +69,9 @@ def follow(directory: Path, poll_s: float = 1.0) -> int:
 
 
 def deploy_action(args: argparse.Namespace) -> int:
-    from serving.rollout.fleet import Fleet
+    from serving.fleet.fleet import Fleet
+    from serving.fleet.replica_backend import pid_alive
     from serving.rollout.registry_console import RegistryConsole
-    from serving.rollout.replica_backend import pid_alive
     from serving.rollout.state import StateFile
 
     root = fleet_dir(args)
@@ -114,7 +114,7 @@ def deploy_action(args: argparse.Namespace) -> int:
 
 
 def deploy_stop(args: argparse.Namespace) -> int:
-    from serving.rollout.fleet import Fleet
+    from serving.fleet.fleet import Fleet
 
     root = fleet_dir(args)
     record = Fleet.read(root)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +29,7 @@ def deploy_snapshot(args: argparse.Namespace) -> int:
         raise ServeError(f"{source}: not a bundle (no manifest.json); `lifecycle serve` serves plain model dirs")
     ray_address = None if args.dry_run or args.standalone else _ray_address(args)
     if ray_address is not None:  # a Ray cluster that does not answer is one line, before anything is registered
-        from serving.rollout.ray_backend import DEFAULT_NAMESPACE, connect
+        from serving.fleet.ray_backend import DEFAULT_NAMESPACE, connect
 
         connect(ray_address, DEFAULT_NAMESPACE)
     bundle, model_name, version = _resolve(args, source, tracking_uri)
@@ -52,7 +51,7 @@ def _tracking_uri(args: argparse.Namespace) -> str:
 def _ray_address(args: argparse.Namespace) -> str | None:
     """The cluster a Ray fleet joins (--ray-address, else the fleet's own, else $RAY_ADDRESS, else auto, as
     ``Fleet`` chooses it); None for a local fleet."""
-    from serving.rollout.fleet_record import FLEET_FILE, read_record
+    from serving.fleet.record import FLEET_FILE, read_record
 
     recorded = read_record(fleet_dir(args)) if (fleet_dir(args) / FLEET_FILE).is_file() else None
     backend = args.backend or (recorded.backend if recorded else "local")
@@ -114,7 +113,7 @@ def replica_serve_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version: str, tracking_uri: str) -> int:
-    from serving.rollout.fleet import Fleet
+    from serving.fleet.fleet import Fleet
     from serving.rollout.registry_console import RegistryConsole
 
     engine_config_from_args(args)  # validates --kv-memory and friends before anything starts
@@ -130,7 +129,7 @@ def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version
     champion = console.alias_version("champion")
     if champion == version:
         replica = fleet.start_replica(bundle, version, serve_flags=flags)
-        url = _ensure_routed_champion(fleet, replica)
+        url = fleet.ensure_gateway(champion=replica)
         print(f"version {version} is already champion; serving it at {url}/v1 (model {model_name!r})")
         return 0
     if champion is None or args.role == "champion":
@@ -148,63 +147,34 @@ def _refuse_if_rolling(fleet) -> None:
                              "`deploy rollback` or `deploy promote` it first")
 
 
-def _ensure_routed_champion(fleet, replica) -> str:
-    return fleet.ensure_gateway(champion=replica)
-
-
 def _install(fleet, bundle: Path, model_name: str, version: str, champion: str | None, tracking_uri: str,
              flags: list[str]) -> int:
-    from serving.rollout.install import install_champion
+    from serving.rollout import install_on_fleet
 
-    replica = fleet.start_replica(bundle, version, serve_flags=flags)
-    url = fleet.ensure_gateway(champion=replica if champion is None else None)
     cause = ("first champion: no champion before, so no canary to compare with" if champion is None
              else f"deployed with --as champion over v{champion} (no rollout)")
-    result = install_champion(model_name=model_name, version=version, replica_url=replica.url,
-                              served_model=replica.served_model, gateway_url=url, admin_key=fleet.admin_key(),
-                              tracking_uri=tracking_uri, cause=cause, actor=actor(),
-                              other_gateway_urls=fleet.record.other_gateways)
-    from serving.rollout.gateway_client import GatewayAdmin
-
-    gateway = GatewayAdmin(url, fleet.admin_key())
-    try:
-        fleet.retire_unrouted(gateway.routing())
-    finally:
-        gateway.close()
+    result = install_on_fleet(fleet, model_name=model_name, version=version, bundle=bundle,
+                              tracking_uri=tracking_uri, cause=cause, actor=actor(), first=champion is None,
+                              serve_flags=flags)
     print(f"v{version} is champion ({cause}); smoke check passed; MLflow run {result['run_id']}")
-    print(f"serving {model_name!r} at {url}/v1 (API key for replayed traffic: {fleet.user_key_file})")
+    print(f"serving {model_name!r} at {result['url']}/v1 (API key for replayed traffic: {fleet.user_key_file})")
     return 0
 
 
 def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: str, version: str, champion: str,
                    tracking_uri: str, flags: list[str]) -> int:
-    from artifacts.registry import resolve_bundle
-    from serving.rollout.controller import Controller
-    from serving.rollout.state import RolloutSpec
+    from serving.rollout import start_rollout
 
-    champion_replica = fleet.replica(champion)
-    if champion_replica is None:
-        champion_bundle = resolve_bundle(f"models:/{model_name}/{champion}", resolve_workdir().deployments,
-                                         tracking_uri=tracking_uri)
-        champion_replica = fleet.start_replica(champion_bundle, champion)
-    url = _ensure_routed_champion(fleet, champion_replica)
-    candidate, baseline = fleet.start_rollout_replicas(bundle, version, champion_replica, serve_flags=flags)
-    print(f"baseline for the canary steps: a fresh replica of v{champion} at {baseline.url}", flush=True)
     plan = _load_plan(args.plan)
     if args.probes:
         plan.probes = replace(plan.probes, data_dir=str(Path(args.probes).resolve()))
-    spec = RolloutSpec(model_name=model_name, candidate_version=version, champion_version=champion,
-                       candidate_replicas=[candidate.url], champion_replicas=[champion_replica.url],
-                       candidate_served_model=candidate.served_model,
-                       champion_served_model=champion_replica.served_model, baseline_replicas=[baseline.url],
-                       gateway_url=url, other_gateway_urls=fleet.record.other_gateways,
-                       admin_key_file=str(fleet.admin_key_file), tracking_uri=tracking_uri,
-                       plan=plan, start="canary" if args.role == "canary" else "shadow",
-                       eval_passed=_eval_passed(bundle),
-                       fleet_dir=str(fleet.root))
-    directory = fleet.rollouts / f"v{version}-{time.strftime('%Y%m%d-%H%M%S')}"
-    controller = Controller.create(directory, spec, say=lambda line: print(line, flush=True))
+    controller = start_rollout(fleet, model_name=model_name, version=version, bundle=bundle, champion=champion,
+                               tracking_uri=tracking_uri, plan=plan,
+                               start="canary" if args.role == "canary" else "shadow",
+                               eval_passed=_eval_passed(bundle), serve_flags=flags,
+                               say=lambda line: print(line, flush=True))
     controller.close()
+    directory = controller.files.dir
     fleet.record.rollout_dir = str(directory)
     fleet.record.controller_pid = spawn_controller(fleet, directory)
     fleet.save()

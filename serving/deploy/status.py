@@ -12,9 +12,9 @@ from serving.deploy.control import fleet_dir, rollout_state
 
 
 def deploy_status(args: argparse.Namespace) -> int:
-    from serving.rollout.fleet import Fleet
-    from serving.rollout.gateway_client import GatewayAdmin
-    from serving.rollout.replica_backend import pid_alive
+    from serving.fleet.fleet import Fleet
+    from serving.fleet.gateway_client import GatewayAdmin
+    from serving.fleet.replica_backend import pid_alive
 
     root = fleet_dir(args)
     record = Fleet.read(root)

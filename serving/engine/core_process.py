@@ -89,7 +89,7 @@ class RequestRejected:
 
 
 def run_engine_core(model_dir: str, config: EngineConfig, conn: Connection, log_level: str = "WARNING") -> None:
-    """Entry point of the engine-core process (spawned by ``serving.api.engine_client``)."""
+    """Entry point of the engine-core process (spawned by ``serving.api.process_engine_client``)."""
     import os
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the API decides

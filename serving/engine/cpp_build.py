@@ -2,9 +2,10 @@
 
 ``build`` runs ``torch.utils.cpp_extension.load`` on the extension's .cpp files (cached under
 ``~/.cache/torch_extensions``, about 30 s the first time; flags include ``-march=native``) when a C++ compiler is
-present. The extension's name, and so its cache directory, carries a hash of this CPU's feature flags and of
-every file of the extension, its headers included: a cache shared between hosts never hands one host's binary
-to another, and a changed .cpp or .h builds afresh. ``build`` returns None, and the caller keeps its torch
+present. The extension's name, and so its cache directory, carries a hash of this CPU's feature flags, of the
+torch installation it builds against, and of every file of the extension, its headers included: a cache shared
+between hosts never hands one host's binary to another, two environments on one host do not rebuild over each
+other, and a changed .cpp or .h builds afresh. ``build`` returns None, and the caller keeps its torch
 path, when a file is missing, there is no compiler, the build fails, or ``LLM_LIFECYCLE_CPU_KERNELS=0``.
 
 Builds are serialised by an ``flock`` on ``<build dir>.flock``, which the kernel releases when its holder dies.
@@ -42,10 +43,19 @@ def _cpu_flags() -> str:
     return flags or platform.processor() or platform.machine()
 
 
+def _torch_install() -> str:
+    """Which torch the extension is compiled against (its version and where it is installed): ninja's build
+    file names torch's include directories by path, so two environments sharing one cache directory would
+    each find the other's build file stale and recompile the extension, under the lock, on every load."""
+    import torch
+
+    return f"{torch.__version__}\0{Path(torch.__file__).parent}"
+
+
 def build_tag(files: Sequence[Path]) -> str:
-    """Short hash of this CPU's flags and each file's name and bytes: the build cache key besides the extension's
-    name."""
-    digest = hashlib.sha1(_cpu_flags().encode())
+    """Short hash of this CPU's flags, the torch it builds against, and each file's name and bytes: the build
+    cache key besides the extension's name."""
+    digest = hashlib.sha1(_cpu_flags().encode() + b"\0" + _torch_install().encode())
     for f in files:
         digest.update(b"\0" + f.name.encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:10]

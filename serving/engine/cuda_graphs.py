@@ -20,14 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from serving.engine.scheduled_seq import ScheduledSeq
 from serving.engine.step_inputs import DecodeStaticInputs, StepInputs
-
-if TYPE_CHECKING:
-    from serving.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
 

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from serving.engine.errors import ModelLoadError
+from serving.engine.sampling_params import SamplingParams
+from serving.engine.scheduled_seq import ScheduledSeq
+from serving.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     import torch
 
-    from serving.engine.model_runner import ModelRunner
-
-__all__ = ["CudaMemoryProbe", "MemoryFacts", "blocks_in_budget", "derive_max_model_len", "kv_block_bytes",
-           "kv_cache_bytes", "profile_forward"]
+__all__ = ["CudaMemoryProbe", "MemoryFacts", "ProfiledRunner", "blocks_in_budget", "derive_max_model_len",
+           "kv_block_bytes", "kv_cache_bytes", "profile_forward"]
 
 _GIB = 2 ** 30
 
@@ -99,17 +100,38 @@ def derive_max_model_len(model_max: int, requested: int | None, num_blocks: int,
     return requested
 
 
-def profile_forward(runner: ModelRunner, num_tokens: int, num_seqs: int) -> int:
+class SampledLogits(Protocol):
+    """The one part of a step's result the profile reads: the sampling rows' logits."""
+
+    @property
+    def sample_logits(self) -> torch.Tensor | None: ...
+
+
+class ProfiledRunner(Protocol):
+    """What ``profile_forward`` needs of a model runner, stated here so that sizing the cache depends on this much
+    and not on the runner's module (which sizes its cache through this one): the cache's geometry, the cache
+    tensors themselves (swapped for a scratch pair during the profile, and put back; a runner that has not
+    allocated its own yet may lack them) and one forward over a plan."""
+
+    device: torch.device
+    block_size: int
+    cache_dtype: torch.dtype
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+
+    def execute(self, scheduled: list[ScheduledSeq], sample_flags: list[bool]) -> SampledLogits: ...
+
+
+def profile_forward(runner: ProfiledRunner, num_tokens: int, num_seqs: int) -> int:
     """One forward and sampling-sized softmax at the largest step the scheduler can plan, on a scratch cache
     that is dropped afterwards: ``num_tokens`` tokens, one long prefill (its attention is the largest) and
     ``num_seqs - 1`` one-token prompts, every one sampling (the logits rows). The runner's own cache, if it
     has one, is left as it was. Returns the scratch cache's bytes, which the real cache stands in for, so
     the measured activation peak leaves them out."""
     import torch
-
-    from serving.engine.sampling_params import SamplingParams
-    from serving.engine.scheduler import ScheduledSeq
-    from serving.engine.sequence import Sequence
 
     n = max(1, min(num_seqs, num_tokens))
     lengths = [1] * (n - 1) + [num_tokens - (n - 1)]  # the one-token prompts run as decodes, which go first

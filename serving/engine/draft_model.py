@@ -50,7 +50,7 @@ from serving.engine.device_errors import is_device_error
 from serving.engine.errors import ModelLoadError
 from serving.engine.model_runner import ModelRunner
 from serving.engine.sampling_params import SamplingParams
-from serving.engine.scheduler import ScheduledSeq
+from serving.engine.scheduled_seq import ScheduledSeq
 from serving.engine.sequence import Sequence
 from serving.engine.speculative import GuessBudget, expected_yield, next_lookahead
 

@@ -1,6 +1,10 @@
 """Errors the engine raises for requests it cannot take; the API maps each to an HTTP status."""
 
+import re
+
 from artifacts.errors import LifecycleError
+
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 
 
 class EngineError(LifecycleError):
@@ -8,7 +12,16 @@ class EngineError(LifecycleError):
 
 
 class InvalidRequestError(EngineError):
-    """The request can never be served as asked (bad sampling value, prompt over the context): HTTP 400."""
+    """The request can never be served as asked (bad sampling value, prompt over the context): HTTP 400.
+
+    Every message leads with the request field at fault (``"top_k: must be <= ..."``); ``param`` is that
+    field, so the API can name it in OpenAI's error body. Derived from the message rather than stored, so
+    the error stays the one-argument exception that crosses the engine-core process pipe unchanged."""
+
+    @property
+    def param(self) -> str | None:
+        field, colon, _ = str(self).partition(":")
+        return field if colon and _FIELD.fullmatch(field) else None
 
 
 class QueueFullError(EngineError):

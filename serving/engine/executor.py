@@ -16,7 +16,7 @@ from serving.engine.device_errors import is_device_error
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import ModelOutput
 from serving.engine.sampler import Sampler, prompt_logprobs
-from serving.engine.scheduler import ScheduledSeq
+from serving.engine.scheduled_seq import ScheduledSeq
 
 log = logging.getLogger(__name__)
 

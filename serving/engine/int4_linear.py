@@ -42,7 +42,7 @@ from serving.engine import cpp_build
 
 TILE = 16  # output rows per tile: one 16-lane vector of fp32
 # Up to this many activation rows the codes are decoded in registers for each chunk of rows; above it, once per
-# call into an L1 buffer that a register-blocked GEMM reads (the crossover measured in benchmarks/RESULTS.md).
+# call into an L1 buffer that a register-blocked GEMM reads (the crossover measured in benchmarks/NOTEBOOK.md).
 DEFAULT_SMALL_ROWS = 8
 
 _module: ModuleType | None = None

@@ -12,6 +12,7 @@ Which attention runs (``EngineConfig.attention_backend``):
   replay CUDA graphs (``cuda_graphs``) unless ``enforce_eager``;
 - ``cpp`` (the default for fp32 on CPU): the C++ kernels (``cpu_kernels``) through the same hooks;
 - ``torch``: SDPA over gathered blocks (``attention``), the reference the kernels are tested against.
+The ``cpp`` and ``torch`` paths build a step's inputs from lists (``legacy_step_inputs``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from artifacts.common.device import pick_device
 from serving.engine import attention, cpu_kernels
-from serving.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, bucket_by_length
+from serving.engine.attention import AttentionMetadata
 from serving.engine.config import CPU_KV_MEMORY_BYTES, EngineConfig
 from serving.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from serving.engine.dequantize import dequantize_linears, is_quantized
@@ -42,9 +43,10 @@ from serving.engine.device_memory import (
 )
 from serving.engine.errors import ModelLoadError
 from serving.engine.int4_linear import Int4Linear
+from serving.engine.legacy_step_inputs import build_legacy_inputs
 from serving.engine.quantized_checkpoint import QuantizedLinear, is_quantized_dir, materialize_dense
 from serving.engine.quantized_checkpoint import load_model as load_quantized
-from serving.engine.scheduler import ScheduledSeq
+from serving.engine.scheduled_seq import ScheduledSeq
 from serving.engine.step_inputs import DecodeStaticInputs, StepInputBuilder, StepInputs
 
 log = logging.getLogger(__name__)
@@ -250,84 +252,6 @@ class ModelRunner:
                  facts.weights / 2 ** 30, facts.activation_peak / 2 ** 30)
         return n, "--gpu-memory-utilization"
 
-    # ----------------------------------------------------------------- batch preparation
-    def _prepare(self, scheduled: list[ScheduledSeq]):
-        """Flattened ids/positions/slots plus attention metadata; decodes must come first."""
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefill_specs: list[tuple[int, int, int, list[int]]] = []  # start, end, ctx_len, table
-        num_decode = 0
-        for item in scheduled:
-            seq, n = item.seq, item.num_tokens
-            start = seq.num_computed_tokens
-            end = start + n
-            table = seq.block_table
-            row0 = len(ids)
-            ids.extend(seq.token_ids[start:end])
-            pos.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1 and not prefill_specs:
-                decode_tables.append(table)
-                decode_lens.append(end)
-                num_decode += 1
-            else:
-                prefill_specs.append((row0, row0 + n, start, table))
-        dev = self.device
-        meta = AttentionMetadata(self.k_caches, self.v_caches,
-                                 torch.tensor(slots, dtype=torch.long, device=dev), num_decode=num_decode,
-                                 block_size=bs)
-        if self.decode_kernel is not None and num_decode:
-            nblk = max(len(t) for t in decode_tables)
-            meta.decode_kernel = self.decode_kernel
-            meta.decode_block_tables = torch.tensor([t + [0] * (nblk - len(t)) for t in decode_tables],
-                                                    dtype=torch.long, device=dev)
-            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-        # torch path: decodes of similar length share one padded gather (the kernel needs no groups); on a GPU
-        # one group, since each group costs ~100 launches and its padding only microseconds of memory traffic
-        if meta.decode_kernel is not None or not num_decode:
-            groups = []
-        elif self.device.type == "cuda":
-            groups = [list(range(num_decode))]
-        else:
-            groups = bucket_by_length(decode_lens, bs)
-        for rows in groups:
-            glens = [decode_lens[r] for r in rows]
-            nblk = -(-max(glens) // bs)
-            tab = [decode_tables[r][:nblk] + [0] * (nblk - min(len(decode_tables[r]), nblk)) for r in rows]
-            mask = (torch.arange(nblk * bs)[None, :] < torch.tensor(glens)[:, None]).view(len(rows), 1, 1, -1)
-            meta.decode_groups.append(DecodeGroup(torch.tensor(rows, dtype=torch.long, device=dev),
-                                                  torch.tensor(tab, dtype=torch.long).flatten().to(dev),
-                                                  mask.to(dev)))
-        if self.prefill_kernel is not None and prefill_specs:
-            nblk = max(-(-(start + row1 - row0) // bs) for row0, row1, start, _ in prefill_specs)
-            meta.prefill_kernel = self.prefill_kernel
-            meta.prefill_block_tables = torch.tensor(
-                [table[:nblk] + [0] * (nblk - min(len(table), nblk)) for _, _, _, table in prefill_specs],
-                dtype=torch.long, device=dev)
-            meta.prefill_row_starts = torch.tensor([row0 - num_decode for row0, _, _, _ in prefill_specs]
-                                                   + [prefill_specs[-1][1] - num_decode], dtype=torch.long,
-                                                   device=dev)
-            meta.prefill_first_pos = torch.tensor([start for _, _, start, _ in prefill_specs], dtype=torch.long,
-                                                  device=dev)
-            prefill_specs = []  # the kernel takes them all in one call per layer
-        for row0, row1, start, table in prefill_specs:
-            if start == 0:
-                meta.prefills.append(PrefillChunk(row0, row1))
-                continue
-            ctx = start + (row1 - row0)
-            nblk = -(-ctx // bs)
-            blocks = torch.tensor(table[:nblk], dtype=torch.long, device=dev)
-            qpos = torch.arange(start, ctx)
-            mask = (torch.arange(nblk * bs)[None, :] <= qpos[:, None]).to(dev)
-            meta.prefills.append(PrefillChunk(row0, row1, blocks, mask))
-        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
-        positions = torch.tensor([pos], dtype=torch.long, device=dev)
-        return input_ids, positions, meta
-
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], sample_flags: list[bool],
@@ -401,7 +325,8 @@ class ModelRunner:
 
     def _forward_legacy(self, scheduled: list[ScheduledSeq], keep: list[int]) -> torch.Tensor:
         """fp32 logits of the ``keep`` rows on the torch or C++ attention path (inputs built from lists)."""
-        input_ids, positions, meta = self._prepare(scheduled)
+        input_ids, positions, meta = build_legacy_inputs(scheduled, self.k_caches, self.v_caches, self.block_size,
+                                                         self.device, self.decode_kernel, self.prefill_kernel)
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
         if self.compact is not None:
             return self.compact(input_ids[0], positions[0], meta, keep_t).float()

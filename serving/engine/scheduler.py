@@ -25,18 +25,13 @@ from dataclasses import dataclass, field
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.outputs import EngineStats, LogprobRecord, ModelOutput, RequestOutput, request_output
+from serving.engine.scheduled_seq import ScheduledSeq
 from serving.engine.sequence import Sequence, SequenceStatus
 from serving.engine.spec_commit import Speculator, drop_drafts, fit_drafts
 from serving.engine.speculative import Proposer
 from serving.engine.stop_rules import stopped_after
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int  # tokens computed for this sequence in this step, from seq.num_computed_tokens
 
 
 @dataclass

@@ -10,14 +10,10 @@ and the next pass overwrites them. The output is the greedy output token for tok
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from serving.engine.scheduled_seq import ScheduledSeq
 from serving.engine.sequence import Sequence
 from serving.engine.speculative import Proposer, SpeculationStats, accepted_prefix, can_speculate
 from serving.engine.stop_rules import stopped_after
-
-if TYPE_CHECKING:
-    from serving.engine.scheduler import ScheduledSeq
 
 __all__ = ["Speculator", "drop_drafts", "fit_drafts"]
 

@@ -223,7 +223,7 @@ class GuessBudget:
     Why: a draft pass is not free, and what it costs relative to a target step depends on the pair and the
     hardware. With its bookkeeping, a one-layer fp32 draft costs about a third of a step of the default
     pipeline's fp32 4-layer model, where four guesses a step pay, but more than a step of its 4-bit snapshot,
-    where none does (figures in ``benchmarks/RESULTS.md``). The j-th guess of a step is kept with probability about
+    where none does (figures in ``benchmarks/NOTEBOOK.md``). The j-th guess of a step is kept with probability about
     ``a ** j`` (``a``: the share of guesses kept, counting each guess checked up to the first rejection) and
     costs one draft pass, ``c`` of a target step; it saves a target step when kept, so it is worth asking
     for while ``a ** j >= c``. ``c`` is measured as the engine runs (decayed average of the ratio of a step's

@@ -20,15 +20,12 @@ which come after the copy in stream order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from serving.engine.host_transfer import PinnedStaging
-
-if TYPE_CHECKING:
-    from serving.engine.scheduler import ScheduledSeq
+from serving.engine.scheduled_seq import ScheduledSeq
 
 NO_SLOT = -1  # a padding row's KV slot: the store kernel writes nothing for it
 ALIGN = 16  # int32s: every field of a step starts on a 64-byte boundary

@@ -114,7 +114,8 @@ class Gateway:
         view = self.routing.state.to_json()
         view["public_model"] = self.routing.state.public_model
         view["replicas"] = [{"variant": r.variant, "url": r.url, "healthy": r.healthy, "failures": r.failures,
-                             "in_flight": r.in_flight, "last_error": r.last_error} for r in self.pools.all()]
+                             "in_flight": r.in_flight, "last_error": r.last_error, "max_model_len": r.max_model_len}
+                            for r in self.pools.all()]
         return view
 
     def update_routing(self, patch: dict[str, Any], actor: str) -> dict[str, Any]:

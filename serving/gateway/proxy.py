@@ -21,6 +21,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from serving.client_disconnect import wait_for_disconnect
 from serving.gateway.admission import authenticate, check_fields, conversation_key, request_id_of, short_hash
 from serving.gateway.config import GatewayConfig
 from serving.gateway.continuation import Continuation, continuation
@@ -28,10 +29,11 @@ from serving.gateway.errors import GatewayError
 from serving.gateway.keys import ApiKey, KeyStore
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.observations import ObservationStore, RequestRecord
-from serving.gateway.ratelimit import RateLimited, RateLimiter, Reservation, estimate_prompt_tokens
+from serving.gateway.ratelimit import RateLimited, RateLimiter, Reservation
 from serving.gateway.routing import VARIANT_NAMES, RoutingStore, choose_variant
 from serving.gateway.shadow import Mirror, ShadowMirror
 from serving.gateway.sse import EventSplitter, StreamReading, read_event, response_text, strip_token_ids
+from serving.gateway.token_cost import TokenCost, refuse_what_never_fits, token_cost
 from serving.gateway.upstream import Attempt, Forwarder, NoReplicaAvailable
 
 log = logging.getLogger("serving.gateway")
@@ -51,20 +53,13 @@ class RequestContext:
     wants_usage: bool
     wall_start: float
     perf_start: float
+    cost: TokenCost
     reservation: Reservation | None
     probe: bool
     pinned: bool = False
     mirror: Mirror | None = None
     conversation: str | None = None  # short hash of the sticky key, for counting users per variant
     wants_token_ids: bool = False  # the client asked for return_token_ids itself (else they are stripped)
-
-
-def _max_tokens(body: dict, path: str, default_chat: int) -> int:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return 16 if path.endswith("/completions") and "chat" not in path else default_chat
 
 
 def _prompt_text(body: dict) -> str:
@@ -113,7 +108,7 @@ class Proxy:
                                                 probe=ctx.probe, conversation=ctx.conversation)
         except NoReplicaAvailable as exc:
             self.metrics.in_flight.labels(order[0]).dec()
-            self._settle(ctx, None)
+            self._settle(ctx, None, generated=False)
             error = _no_replica_error(exc)
             if ctx.mirror is not None:
                 ctx.mirror.primary_done("", error.status, 0.0)
@@ -161,17 +156,19 @@ class Proxy:
                 raise GatewayError(403, f"{PIN_HEADER} and {PROBE_HEADER} need an admin key", "permission_error",
                                    "not_admin")
             probe = bool(request.headers.get(PROBE_HEADER))
+        limits = self.config.limits
+        cost = token_cost(body, path, limits.default_max_tokens)
+        token_budget = None if self.keys is None else (key.tokens_per_minute or limits.tokens_per_minute)
+        refuse_what_never_fits(cost, path, self.forwarder.pools.largest_context(), token_budget)
         reservation = None
-        if self.keys is not None:
-            limits = self.config.limits
-            cost = estimate_prompt_tokens(body) + _max_tokens(body, path, limits.default_max_tokens)
+        if token_budget is not None:
             try:
                 reservation = self.limiter.reserve(key.name, key.requests_per_minute or limits.requests_per_minute,
-                                                   key.tokens_per_minute or limits.tokens_per_minute, cost)
+                                                   token_budget, cost.total)
             except RateLimited as exc:
                 raise GatewayError(429, f"{exc.what}; retry in {exc.retry_after_header} s", "rate_limit_error",
                                    "rate_limit_exceeded", headers={"retry-after": exc.retry_after_header}) from None
-        return RequestContext(request_id, key, path, body, stream, wants_usage, wall_start, perf_start,
+        return RequestContext(request_id, key, path, body, stream, wants_usage, wall_start, perf_start, cost,
                               reservation, probe, wants_token_ids=wants_token_ids)
 
     def _route(self, request: Request, conversation: str | None) -> tuple[list[str], bool]:
@@ -191,14 +188,12 @@ class Proxy:
         if body.get("temperature") != 0 and body.get("seed") is None:
             # the same seed on both sides: a sampled request then differs only where the models do
             body["seed"] = self.rng.randrange(2 ** 31)
-        limits = self.config.limits
-        estimate = estimate_prompt_tokens(body) + _max_tokens(body, ctx.path, limits.default_max_tokens)
-        ctx.mirror = self.shadow.try_start(ctx.request_id, ctx.path, body, estimate, _prompt_text(body))
+        ctx.mirror = self.shadow.try_start(ctx.request_id, ctx.path, body, ctx.cost.total, _prompt_text(body))
 
     # ----------------------------------------------------------------- answers
     async def _full(self, request: Request, ctx: RequestContext, attempt: Attempt, headers: dict) -> Response:
         read = asyncio.ensure_future(attempt.response.read())
-        gone = asyncio.ensure_future(_wait_disconnect(request))
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
         complete = False
         try:
             done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -355,24 +350,20 @@ class Proxy:
             itl_ms=(sum(gaps) / len(gaps) * 1000) if gaps else None, e2e_ms=e2e * 1000,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, stream=ctx.stream, probe=ctx.probe,
             conversation=ctx.conversation))
-        self._settle(ctx, usage)
+        self._settle(ctx, usage, generated=not 400 <= status < 499)  # a replica's 4xx generated nothing
         if ctx.mirror is not None:
             ctx.mirror.primary_done(text or "", status, e2e * 1000)
         access_log.info("%s %s key=%s variant=%s v%s -> %d in %.0f ms", ctx.request_id, ctx.path, ctx.key.name,
                         variant, attempt.version or "?", status, e2e * 1000)
 
-    def _settle(self, ctx: RequestContext, usage: dict | None) -> None:
+    def _settle(self, ctx: RequestContext, usage: dict | None, generated: bool = True) -> None:
+        """Give back what the reservation did not use: per the answer's usage; all of it when no replica
+        generated anything (a refused request must not spend the budget of the corrected one that follows)."""
         if ctx.reservation is None:
             return
         total = usage.get("total_tokens") if isinstance(usage, dict) else None
-        self.limiter.settle(ctx.reservation, float(total) if isinstance(total, int) else None)
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+        used = float(total) if isinstance(total, int) else (None if generated else 0.0)
+        self.limiter.settle(ctx.reservation, used)
 
 
 def _no_replica_error(exc: NoReplicaAvailable) -> GatewayError:

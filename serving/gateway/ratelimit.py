@@ -1,8 +1,9 @@
 """Per-key token buckets on requests and on tokens, answering *when* to retry.
 
-A request reserves its estimated cost up front (one request; prompt estimate + ``max_tokens``), so a
-burst cannot overrun the budget while answers are still streaming; when the answer's real usage is
-known the difference is refunded. ``Retry-After`` is the time until the bucket holds the cost again.
+A request reserves its estimated cost up front (one request; prompt estimate + ``max_tokens``, see
+``token_cost``, which refuses before this a cost no bucket could ever hold), so a burst cannot overrun the
+budget while answers are still streaming; when the answer's real usage is known the difference is refunded,
+all of it when nothing was generated. ``Retry-After`` is the time until the bucket holds the cost again.
 """
 
 from __future__ import annotations
@@ -99,31 +100,3 @@ class RateLimiter:
             pair = self._buckets.get(reservation.key)
             if pair is not None:
                 pair[1].give_back(max(0.0, reservation.tokens - used_tokens))
-
-
-def estimate_prompt_tokens(body: dict) -> int:
-    """A tokenizer-free estimate (about 4 characters per token, as OpenAI documents for English).
-
-    Total over any JSON shape: a field of the wrong type counts as nothing here (the request is validated
-    elsewhere), so a malformed body can never make the estimate raise."""
-    chars = 0
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        chars += len(prompt)
-    elif isinstance(prompt, list):
-        for item in prompt:
-            if isinstance(item, str):
-                chars += len(item)
-            elif isinstance(item, int):
-                chars += 4
-            elif isinstance(item, list):
-                chars += 4 * len(item)
-    messages = body.get("messages")
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            chars += len(content) + 16
-        elif isinstance(content, list):
-            chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-            chars += 16
-    return max(1, math.ceil(chars / 4))

@@ -56,13 +56,23 @@ class Analysis:
         return [v for v in self._deciding() if v.outcome == INCONCLUSIVE]
 
     @property
-    def summary(self) -> str:
-        passed = sum(v.outcome == PASS for v in self.verdicts)
+    def reasons(self) -> str:
+        """Why it did not pass, gate by gate (with the advice on what would settle an inconclusive one);
+        empty for a pass. What a rollback, pause or extension names as its cause."""
         if self.outcome in (FAIL, "review"):
-            return "fail: " + "; ".join(f"{v.gate} ({v.reason})" for v in self.failed())
+            return "; ".join(f"{v.gate} ({v.reason})" for v in self.failed())
         if self.outcome == INCONCLUSIVE:
-            text = "inconclusive: " + "; ".join(f"{v.gate} ({v.reason})" for v in self.inconclusive())
+            text = "; ".join(f"{v.gate} ({v.reason})" for v in self.inconclusive())
             return text + (f"; {self.advice}" if self.advice else "")
+        return ""
+
+    @property
+    def summary(self) -> str:
+        if self.outcome in (FAIL, "review"):
+            return f"fail: {self.reasons}"
+        if self.outcome == INCONCLUSIVE:
+            return f"inconclusive: {self.reasons}"
+        passed = sum(v.outcome == PASS for v in self.verdicts)
         waived = [v for v in self.verdicts if v.gate in self.waived and v.outcome != PASS]
         return f"pass {passed}/{len(self.verdicts)}" + (f" ({len(waived)} waived: "
                                                         f"{', '.join(v.gate for v in waived)})" if waived else "")

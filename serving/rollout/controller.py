@@ -18,14 +18,13 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from serving.fleet.gateway_client import read_secret
+from serving.fleet.gateway_group import GatewayGroup
 from serving.rollout import analysis as A
 from serving.rollout import recording, report
 from serving.rollout.analysis import Analysis
 from serving.rollout.crash import crash_point
-from serving.rollout.gateway_client import read_secret
-from serving.rollout.gateway_group import GatewayGroup
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS
 from serving.rollout.phase_judge import PhaseJudge
 from serving.rollout.registry_console import ACTIONS, RegistryConsole
@@ -38,7 +37,6 @@ from serving.rollout.state import (
     PROMOTED,
     ROLLED_BACK,
     SHADOW,
-    AliasMove,
     RolloutError,
     RolloutSpec,
     RolloutState,
@@ -47,6 +45,8 @@ from serving.rollout.state import (
     new_rollout_id,
 )
 from serving.rollout.tracking import RolloutRun
+from serving.rollout.transitions import plan_transition
+from serving.rollout.waivers import split_known, waive_hint, waived_tag
 
 log = logging.getLogger("serving.rollout")
 CONTROLLER = "rollout controller"
@@ -185,9 +185,7 @@ class Controller:
             return False
         gates, actor = request
         self.console.clear_action(spec.candidate_version, keys=(WAIVE_TAG, ACTOR_TAG))
-        known = A.known_gates(self.plan) | {v["gate"] for a in state.analyses for v in a["verdicts"]}
-        unknown = [g for g in gates if g not in known]
-        gates = [g for g in gates if g in known]
+        gates, unknown, known = split_known(gates, self.plan, state.analyses)
         if unknown:
             self._record("waive", state.phase, state.phase, f"ignored unknown gate(s) {', '.join(unknown)} "
                          f"(gates: {', '.join(sorted(known))})", actor)
@@ -201,9 +199,7 @@ class Controller:
                      "longer holding the rollout (a failed critical gate still rolls back)", actor,
                      detail=",".join(gates))
         self._save()
-        self.console.set_tags(spec.candidate_version, {WAIVED_TAG: "; ".join(
-            f"{g} by {w['actor']} at {time.strftime('%Y-%m-%d %H:%M', time.localtime(w['at']))}"
-            for g, w in state.waivers.items())})
+        self.console.set_tags(spec.candidate_version, {WAIVED_TAG: waived_tag(state.waivers)})
         if state.phase in (PAUSED, AWAITING_APPROVAL):
             self._resume(actor)
             return True
@@ -241,11 +237,11 @@ class Controller:
     def _decide(self, result: Analysis) -> None:
         state, outcome = self.state, result.outcome
         if outcome == FAIL:
-            self._rollback(f"gate failed at analysis {result.look}: {result.summary[6:]}", CONTROLLER)
+            self._rollback(f"gate failed at analysis {result.look}: {result.reasons}", CONTROLLER)
             return
         if outcome == "review":
-            self._pause(f"advisory gate failed, a person should read the disagreements: {result.summary[6:]}"
-                        f"{self._waive_hint(result.failed())}", CONTROLLER)
+            self._pause(f"advisory gate failed, a person should read the disagreements: {result.reasons}"
+                        f"{waive_hint(result.failed())}", CONTROLLER)
             return
         if outcome == INCONCLUSIVE:
             waiting_helps = any(A.more_time_helps(v) for v in result.inconclusive())
@@ -253,22 +249,14 @@ class Controller:
                 state.extensions += 1
                 self._record("extend", state.phase, state.phase,
                              f"inconclusive, extending ({state.extensions}/{self.plan.max_extensions}): "
-                             f"{result.summary[14:]}", CONTROLLER)
+                             f"{result.reasons}", CONTROLLER)
                 self._save()
                 return
             why = (f"still inconclusive after {state.extensions} extension(s)" if waiting_helps
                    else "inconclusive, and more traffic would not change it")
-            self._pause(f"{why}: {result.summary[14:]}{self._waive_hint(result.inconclusive())}", CONTROLLER)
+            self._pause(f"{why}: {result.reasons}{waive_hint(result.inconclusive())}", CONTROLLER)
             return
         self._advance(f"analysis {result.look} passed ({result.summary})")
-
-    @staticmethod
-    def _waive_hint(verdicts: list) -> str:
-        gates = ",".join(v.gate for v in verdicts if not (v.outcome == FAIL and v.critical))
-        if not gates:
-            return ""
-        return (f" — to go on without them: `deploy resume --waive {gates}`, or the version tag "
-                f"rollout.waive = {gates}")
 
     def _advance(self, cause: str, actor: str = CONTROLLER, from_phase: str | None = None) -> None:
         """The next phase after a passed analysis of ``from_phase`` (default: the current phase)."""
@@ -330,7 +318,7 @@ class Controller:
     def _enter(self, phase: str, cause: str, actor: str = CONTROLLER, *, step_index: int | None = None,
                resume_to: str | None = None, final_status: str | None = None) -> None:
         step_index = self.state.step_index if step_index is None else step_index
-        routing, aliases = self._plan_transition(phase, step_index)
+        routing, aliases = plan_transition(self.state, self.plan, phase, step_index)
         transition = Transition(id=uuid.uuid4().hex[:8], to_phase=phase, cause=cause, actor=actor, at=time.time(),
                                 routing=routing, aliases=aliases, step_index=step_index)
         self.state.pending = transition
@@ -340,47 +328,6 @@ class Controller:
         if final_status is not None and self.state.phase == phase:
             self.run.set_tags({"rollout.status": phase})
             self.run.finish(final_status)
-
-    def _plan_transition(self, phase: str, step_index: int) -> tuple[dict[str, Any], list[AliasMove]]:
-        """The routing patch and alias moves that put the fleet in ``phase`` (both idempotent)."""
-        spec = self.state.spec
-        cand = {"replicas": spec.candidate_replicas, "version": spec.candidate_version,
-                "served_model": spec.candidate_served_model}
-        champ = {"replicas": spec.champion_replicas, "version": spec.champion_version,
-                 "served_model": spec.champion_served_model}
-        none = {"replicas": [], "version": "", "served_model": ""}
-        base = {"replicas": spec.baseline_replicas, "version": spec.champion_version,
-                "served_model": spec.champion_served_model} if spec.baseline_replicas else none
-        salt = self.state.id
-        # every active phase restates the champion, so the gateway labels its traffic with the right version
-        if phase == BASELINE:
-            return ({"champion": champ, "shadow": champ, "shadow_fraction": self.plan.shadow_fraction,
-                     "canary": none, "baseline": none, "canary_weight": 0.0, "split_salt": salt}, [])
-        if phase == SHADOW:
-            return ({"champion": champ, "shadow": cand, "shadow_fraction": self.plan.shadow_fraction,
-                     "canary": none, "baseline": none, "canary_weight": 0.0, "split_salt": salt},
-                    [AliasMove("shadow", spec.candidate_version)])
-        if phase == CANARY:
-            weight = self.plan.steps[step_index].weight
-            return ({"champion": champ, "canary": cand, "baseline": base, "canary_weight": weight, "shadow": none,
-                     "shadow_fraction": 0.0, "split_salt": salt},
-                    [AliasMove("canary", spec.candidate_version), AliasMove("shadow", None)])
-        if phase in (PAUSED, AWAITING_APPROVAL):
-            return {}, []  # hold traffic where it is
-        if phase in (BAKE, PROMOTED):
-            if self.state.phase == BAKE:  # bake over: the previous champion's replicas retire
-                return {}, []
-            return ({"champion": cand, "canary": none, "baseline": none, "canary_weight": 0.0, "shadow": none,
-                     "shadow_fraction": 0.0},
-                    [AliasMove("previous-champion", spec.champion_version),
-                     AliasMove("champion", spec.candidate_version), AliasMove("canary", None),
-                     AliasMove("shadow", None)])
-        if phase == ROLLED_BACK:
-            return ({"champion": champ, "canary": none, "baseline": none, "canary_weight": 0.0, "shadow": none,
-                     "shadow_fraction": 0.0},
-                    [AliasMove("champion", spec.champion_version), AliasMove("canary", None),
-                     AliasMove("shadow", None)])
-        raise RolloutError(f"no such phase {phase!r}")
 
     def _apply(self, t: Transition) -> None:
         """Finish ``t``: routing, then each alias (checked against the registry first), then the record."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from serving.rollout.gateway_group import GatewayGroup
+from serving.fleet.gateway_group import GatewayGroup
 from serving.rollout.registry_console import RegistryConsole
 from serving.rollout.state import RolloutError
 from serving.rollout.tracking import RolloutRun

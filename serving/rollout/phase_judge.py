@@ -13,10 +13,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from serving.fleet.gateway_client import GatewayAdmin
+from serving.fleet.gateway_group import GatewayGroup
 from serving.rollout import analysis as A
 from serving.rollout.analysis import Analysis
-from serving.rollout.gateway_client import GatewayAdmin
-from serving.rollout.gateway_group import GatewayGroup
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS, Verdict
 from serving.rollout.plan import RolloutPlan
 from serving.rollout.probes import load_probes, run_probes

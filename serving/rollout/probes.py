@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 
 from evals.scoring import is_correct, is_format_adherent, is_refusal
-from serving.rollout.gateway_client import GatewayAdmin
-from serving.rollout.gateway_group import GatewayGroup
+from serving.fleet.gateway_client import GatewayAdmin
+from serving.fleet.gateway_group import GatewayGroup
 from serving.rollout.plan import Probes
 from serving.rollout.state import RolloutError
 

@@ -5,9 +5,10 @@ the persisted state (``recording.py`` puts them in MLflow)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
-from serving.rollout.state import RolloutState
+from serving.rollout.state import RolloutState, StateFile
 
 
 def _clock(state: RolloutState, at: float) -> str:
@@ -139,3 +140,9 @@ def comparison_figure(state: RolloutState):
                  f"({state.phase})")
     fig.tight_layout()
     return fig
+
+
+def rollout_markdown(directory: str | Path) -> str:
+    """The timeline and the comparison table of the rollout kept in ``directory`` (a Prefect artifact)."""
+    state = StateFile(directory).load()
+    return timeline_markdown(state) + "\n" + comparison_markdown(state)

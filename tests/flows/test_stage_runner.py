@@ -11,7 +11,7 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, TEMPORARILY_UN
 from prefect.states import Failed
 
 from artifacts.errors import ConfigError
-from flows.stage_runner import _is_transient, run_stage
+from flows.stage_runner import _is_transient, stage_task
 
 
 def _mlflow_request_failed() -> MlflowException:
@@ -58,4 +58,4 @@ def test_programming_and_user_errors_fail_at_once(exc: BaseException) -> None:
 
 
 def test_the_stage_task_retries_through_this_condition() -> None:
-    assert run_stage.retries == 1 and run_stage.retry_condition_fn is _is_transient
+    assert stage_task.retries == 1 and stage_task.retry_condition_fn is _is_transient

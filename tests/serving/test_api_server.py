@@ -18,7 +18,8 @@ from openai import OpenAI
 
 from artifacts.common.net import free_port, wait_until_ready
 from serving.api import build_app
-from serving.api.engine_client import EngineView, ProcessEngineClient
+from serving.api.engine_view import EngineView
+from serving.api.process_engine_client import ProcessEngineClient
 from serving.engine import EngineConfig, LLMEngine
 
 MODEL = "micro"
@@ -310,6 +311,38 @@ def test_chat_top_logprobs_out_of_range_is_refused_naming_top_logprobs(server, t
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "top_logprobs" and err["message"].startswith("top_logprobs:"), err
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
+@pytest.mark.parametrize("content,param", [
+    ([IMAGE], "messages.0.content.0"),
+    ([{"type": "text", "text": "what is this?"}, IMAGE], "messages.0.content.1"),
+])
+def test_an_image_part_is_refused_by_a_text_only_model(server, content, param):
+    """An image was dropped without a word and the model answered 200 about a picture it never saw."""
+    base, _ = server
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                        "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["code"] == 400, err
+    assert err["message"].startswith(f"{param}: images are not supported"), err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "Hello", "max_tokens": 4, "top_k": 10 ** 6}, "top_k"),  # refused by the engine as it is added
+    ({"prompt": "Hello", "max_tokens": 600}, "max_tokens"),  # over the context
+    ({"prompt": "Hello", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),  # by its sampling parameters
+])
+def test_an_engine_refusal_names_the_field(server, body, param):
+    """Wherever the engine refuses a request, the error body names the field its error carries."""
+    base, _ = server
+    r = httpx.post(f"{base}/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(f"{param}:"), err
 
 
 class _Records(logging.Handler):

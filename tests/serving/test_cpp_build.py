@@ -23,6 +23,19 @@ def test_the_cache_key_follows_the_source(tmp_path):
     assert cpp_build.build_tag([a]) == cpp_build.build_tag([b]) != cpp_build.build_tag([c])
 
 
+def test_the_cache_key_follows_the_torch_installation(tmp_path, monkeypatch):
+    """Two virtual environments on one host share ~/.cache/torch_extensions; ninja's build file names each
+    one's torch include paths, so one shared key made them recompile over each other on every load (seen:
+    replicas waiting minutes on the build lock). A second torch install is planted by moving torch's path."""
+    import torch
+
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }\n")
+    tag = cpp_build.build_tag([source])
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert cpp_build.build_tag([source]) != tag
+
+
 def test_the_cache_key_follows_every_file_headers_included(tmp_path):
     src, other, header = tmp_path / "k.cpp", tmp_path / "m.cpp", tmp_path / "k.h"
     src.write_text('#include "k.h"\nint f() { return g(); }\n')

@@ -157,7 +157,7 @@ def test_every_index_tensor_of_a_step_is_64_byte_aligned(tiny_model_dir):
     """Triton compiles a kernel again for each new alignment of its pointer arguments, so a field whose offset
     followed the step's token count would recompile kernels mid-traffic: every view starts on 64 bytes, whatever
     the mix of decodes and chunks."""
-    from serving.engine.scheduler import ScheduledSeq
+    from serving.engine.scheduled_seq import ScheduledSeq
     from serving.engine.sequence import Sequence
     from serving.engine.step_inputs import DecodeStaticInputs, StepInputBuilder
 

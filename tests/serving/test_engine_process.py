@@ -160,7 +160,7 @@ def test_outputs_over_the_pipe_are_the_engines_own(tiny_model_dir):
     API side too (the metrics see its last output) and leaves nothing behind."""
     import asyncio
 
-    from serving.api.engine_client import ProcessEngineClient
+    from serving.api.process_engine_client import ProcessEngineClient
     from serving.engine import EngineConfig, LLMEngine, SamplingParams
 
     cfg = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=16)

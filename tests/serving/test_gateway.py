@@ -117,7 +117,10 @@ def test_rate_limits_answer_429_with_retry_after(tmp_path, replica_a):
         assert limited.json()["error"]["type"] == "rate_limit_error"
         assert complete(base, admin).status_code == 200  # buckets are per key
     with gateway(tmp_path / "t", [replica_a], limits={"tpm": 100}) as (base, user, _, _):
-        big = complete(base, user, max_tokens=500)
+        never = complete(base, user, max_tokens=500)  # more than the whole budget: no wait would admit it
+        assert never.status_code == 400 and "budget" in never.json()["error"]["message"]
+        assert complete(base, user, max_tokens=60, ignore_eos=True).status_code == 200
+        big = complete(base, user, max_tokens=60)  # fits the budget, not what is left of it this minute
         assert big.status_code == 429 and "token rate limit" in big.json()["error"]["message"]
         assert complete(base, user, max_tokens=4).status_code == 200
 

@@ -15,7 +15,7 @@ import yaml
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from serving.gateway.ratelimit import estimate_prompt_tokens
+from serving.gateway.token_cost import estimate_prompt_tokens
 from tests.serving.fleet_support import bearer, engine_thread, free_port, gateway_process, uvicorn_thread, wait_ready
 from tests.serving.test_gateway import MODEL, complete, gateway
 
@@ -61,6 +61,62 @@ def test_a_non_string_text_part_is_a_400_naming_the_field(tmp_path, replica, cap
         good = _chat(base, user, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
         assert good.status_code == 200 and good.json()["choices"][0]["message"]["role"] == "assistant"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a traceback was logged"
+
+
+# ----------------------------------------------------------------------------- what can never succeed is a 400
+_PROMPTS = {"/v1/chat/completions": ("messages", lambda text: [{"role": "user", "content": text}]),
+            "/v1/completions": ("prompt", lambda text: text)}
+
+
+def _ask(base: str, secret: str, path: str, text: str = "hi", **fields) -> httpx.Response:
+    name, shape = _PROMPTS[path]
+    return httpx.post(f"{base}{path}", headers=bearer(secret), timeout=60,
+                      json={"model": MODEL, name: shape(text), "temperature": 0, **fields})
+
+
+def _known_context(gw) -> int:
+    """The context the gateway has read from its replicas' /v1/models (it polls them as it starts)."""
+    deadline = time.monotonic() + 30
+    while gw.pools.largest_context() is None:
+        assert time.monotonic() < deadline, "the gateway never learned its replicas' context length"
+        time.sleep(0.05)
+    return gw.pools.largest_context()
+
+
+@pytest.mark.parametrize("path", list(_PROMPTS))
+def test_a_request_that_can_never_fit_is_a_400_not_a_429(tmp_path, replica, path):
+    """`max_tokens: 1e9` on chat was a 429 "token rate limit ... retry in 53 s", and a retry never helps. Over
+    the context, or over the key's whole token budget, is a 400 saying why on chat and completions alike,
+    and it spends none of the budget: nor does a request the replica refuses."""
+    with gateway(tmp_path, [replica], limits={"rpm": 1e6, "tpm": 1000}) as (base, user, _, gw):
+        context = _known_context(gw)
+        for field, value in (("max_tokens", 10 ** 9), ("max_tokens", 1e9), ("max_completion_tokens", context)):
+            if field == "max_completion_tokens" and path == "/v1/completions":
+                field = "max_tokens"
+            r = _ask(base, user, path, **{field: value})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == field and error["type"] == "invalid_request_error", error
+            assert f"context length of {context}" in error["message"], error
+        prompt_field = _PROMPTS[path][0]
+        over = _ask(base, user, path, "x" * 3000, max_tokens=300)  # about 750 + 300 tokens: over 1,000 a minute
+        assert over.status_code == 400, over.text
+        assert over.json()["error"]["param"] == prompt_field and "budget" in over.json()["error"]["message"]
+        for _ in range(4):  # 400 reserved four times over is past the budget, unless each one is given back
+            refused = _ask(base, user, path, max_tokens=400, temperature=-1)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature", refused.text
+        assert _ask(base, user, path, max_tokens=400).status_code == 200
+
+
+def test_an_image_part_is_a_400_through_the_gateway(tmp_path, replica):
+    """A text-only replica answered an image-only message 200; its 400 naming the part reaches the client."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with gateway(tmp_path, [replica]) as (base, user, _, _):
+        r = _chat(base, user, [{"role": "user", "content": [image]}])
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages.0.content.0" and error["type"] == "invalid_request_error", error
+        assert "images are not supported" in error["message"], error
 
 
 # ----------------------------------------------------------------------------- a busy fleet is a 429

@@ -7,10 +7,10 @@ import contextlib
 
 import pytest
 
+from serving.fleet.errors import FleetError
+from serving.fleet.gateway_group import GatewayGroup, merge_windows
 from serving.gateway.app import build_gateway_app
 from serving.gateway.config import GatewayConfig, VariantConfig
-from serving.rollout.gateway_group import GatewayGroup, merge_windows
-from serving.rollout.state import RolloutError
 from tests.serving.fleet_support import free_port, make_keys, uvicorn_thread
 
 
@@ -70,7 +70,7 @@ def test_every_routing_change_and_registration_reaches_every_gateway(tmp_path):
                 assert routing["replica_names"] == {"replica-a": "http://127.0.0.1:12"}
             assert group.window(0)["gateways"] == 2
             group.members[1].url = "http://127.0.0.1:9"  # a gateway that does not answer: named, after the others
-            with pytest.raises(RolloutError, match="127.0.0.1:9"):
+            with pytest.raises(FleetError, match="127.0.0.1:9"):
                 group.set_routing({"canary_weight": 10}, actor="test")
             assert group.members[0].routing()["canary_weight"] == 10
         finally:

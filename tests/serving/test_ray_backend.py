@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from serving.rollout.ray_backend import replica_resources
+from serving.fleet.ray_backend import replica_resources
 from tests.serving.fleet_support import REPO, deploy, free_port
 
 
@@ -34,6 +34,6 @@ def test_backend_ray_without_a_cluster_is_one_line_and_starts_nothing(tmp_path):
 
 def test_only_a_ray_fleet_imports_ray(tmp_path):
     code = ("import sys; from serving.deploy.cli import build_parser; build_parser(); "
-            "from serving.rollout.fleet import Fleet; Fleet(sys.argv[1], 'm', '').connect(); "
+            "from serving.fleet.fleet import Fleet; Fleet(sys.argv[1], 'm', '').connect(); "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code, str(tmp_path / "fleet")], cwd=REPO, timeout=120).returncode == 0

@@ -21,9 +21,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from serving.fleet.ray_backend import DEFAULT_NAMESPACE
 from serving.gateway.routing import RoutingState, choose_variant
 from serving.rollout.plan import Gates
-from serving.rollout.ray_backend import DEFAULT_NAMESPACE
 from tests.serving.fleet_support import bearer, deploy, free_port, gateway_process, wait_ready
 from tests.serving.ray_support import ray_cluster
 from tests.serving.rollout_support import MODEL, fast_plan, register_versions
@@ -119,8 +119,8 @@ def test_kill9_of_a_replica_server_brings_it_back_registered_with_the_gateway(de
 
 
 def test_a_full_rollout_on_ray_behind_two_gateways(deployed, ray, tmp_path):
+    from serving.fleet.fleet import Fleet
     from serving.rollout.controller import Controller
-    from serving.rollout.fleet import Fleet
     from serving.rollout.state import RolloutSpec
     from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 

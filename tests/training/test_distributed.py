@@ -16,13 +16,13 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from stage_kill import kill_at_first_checkpoint  # tests/training/stage_kill.py
 
-from training.checkpoints import MARKER_NAME
+from training.checkpoints import FINISHED_MARKER
 from training.draft import DRAFT_RECORD, build_draft
 from training.draft_config import DraftConfig
+from training.finetune_stage import WORKER_LOGS_DIR
 from training.heldout_curve import METRIC as HELDOUT_METRIC
 from training.sft import run_sft
 from training.stage_config import LoraSettings, SFTStageConfig, TrainingError
-from training.stages import WORKER_LOGS_DIR
 
 # Measured on the micro model (2 CPU cores): per-step losses of 1 and 2 processes agree to ~1e-6 and the
 # adapters to ~4e-7 (the same examples per optimizer step; only the order of float sums differs).
@@ -81,7 +81,7 @@ def test_two_gloo_processes_killed_and_resumed_train_the_model_one_process_train
     while workers_of(job):
         assert time.monotonic() < deadline, "workers outlived their stage process"
         time.sleep(0.2)
-    assert 2 <= killed_at < STEPS and not (out / MARKER_NAME).exists()
+    assert 2 <= killed_at < STEPS and not (out / FINISHED_MARKER).exists()
 
     # ... and the re-run resumes from that checkpoint, rank 0 alone logging into the caller's MLflow run
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -106,7 +106,7 @@ def test_two_gloo_processes_killed_and_resumed_train_the_model_one_process_train
     assert len(curve[1]) >= 2 and curve[1][-1] == curve[0][-1]
 
     # rank 0 alone wrote: one completion marker, one MLflow record (not one row per process)
-    assert (out / MARKER_NAME).is_file() and not (out / "checkpoints").exists()
+    assert (out / FINISHED_MARKER).is_file() and not (out / "checkpoints").exists()
     assert len(logged) == len(losses(two)) and params["sft.distributed.num_processes"] == "2"
     assert (out / WORKER_LOGS_DIR / "rank-1.log").is_file()
     assert not list((out / WORKER_LOGS_DIR).glob("error-rank-*.json"))

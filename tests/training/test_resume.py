@@ -7,7 +7,7 @@ import textwrap
 import pytest
 from stage_kill import kill_at_first_checkpoint  # tests/training/stage_kill.py
 
-from training.checkpoints import MARKER_NAME
+from training.checkpoints import FINISHED_MARKER
 from training.sft import run_sft
 from training.stage_config import LoraSettings, SFTStageConfig
 
@@ -43,12 +43,12 @@ def test_sigkilled_stage_resumes_from_its_last_checkpoint(micro_base_dir, micro_
     out = tmp_path / "sft"
     killed_at = kill_at_first_checkpoint(CHILD, [str(micro_base_dir), str(micro_data_dir), str(out)], out, tmp_path)
     assert SAVE_STEPS <= killed_at < MAX_STEPS
-    assert not (out / MARKER_NAME).exists()
+    assert not (out / FINISHED_MARKER).exists()
 
     result = run_sft(config(), micro_base_dir, micro_data_dir, out)
     assert result.resumed_from_step == killed_at
     logged_steps = [row["step"] for row in result.log_history if "loss" in row]
     assert logged_steps[-1] == MAX_STEPS and logged_steps == sorted(set(logged_steps))  # no step trained twice
     # Steps up to the checkpoint come from its saved state; the re-run itself trained only the rest.
-    assert result.metrics["train_wall_seconds"] > 0 and (out / MARKER_NAME).is_file()
+    assert result.metrics["train_wall_seconds"] > 0 and (out / FINISHED_MARKER).is_file()
     assert not result.skipped and not (out / "checkpoints").exists()

@@ -13,11 +13,11 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from training.checkpoints import MARKER_NAME
+from training.checkpoints import FINISHED_MARKER
+from training.finetune_stage import load_records, measure_lengths
 from training.heldout_curve import METRIC as HELDOUT_METRIC
 from training.sft import SFT_SPEC, run_sft
 from training.stage_config import LoraSettings, SFTStageConfig, TrainingError
-from training.stages import load_records, measure_lengths
 
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -49,7 +49,7 @@ def test_sft_trains_merges_logs_and_skips_when_finished(micro_base_dir, micro_da
     for name in HF_FILES:
         assert (out / name).is_file(), name
     assert (out / "adapter" / "adapter_config.json").is_file()
-    assert (out / MARKER_NAME).is_file() and not (out / "checkpoints").exists()
+    assert (out / FINISHED_MARKER).is_file() and not (out / "checkpoints").exists()
     losses = [row["loss"] for row in result.log_history if "loss" in row]
     assert len(losses) >= 3 and all(math.isfinite(v) for v in losses)
     assert result.metrics["train_loss"] > 0 and result.metrics["resumed_from_step"] == 0
@@ -122,7 +122,7 @@ def test_conversations_longer_than_max_seq_len_are_reported(micro_base_dir, micr
     assert measure_lengths(rows, tokenizer, max_seq_len=full.longest).overlong == 0
     assert measure_lengths(rows, tokenizer, max_seq_len=full.longest - 1).overlong >= 1
 
-    with caplog.at_level(logging.WARNING, logger="training.stages"):
+    with caplog.at_level(logging.WARNING, logger="training.finetune_stage"):
         result = run_sft(tiny_sft(max_steps=1, max_seq_len=40), micro_base_dir, micro_data_dir, tmp_path / "sft")
     cut = measure_lengths(rows, tokenizer, max_seq_len=40).overlong
     assert cut > 0 and result.metrics["truncated_examples"] == cut

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from artifacts.common.atomic import atomic_write_json
-from serving.rollout.state import RolloutError
+from serving.fleet.errors import FleetError
 
 FLEET_FILE = "fleet.json"
 BACKENDS = ("local", "ray")
@@ -57,13 +57,13 @@ class FleetRecord:
 def read_record(root: str | Path) -> FleetRecord:
     path = Path(root) / FLEET_FILE
     if not path.is_file():
-        raise RolloutError(f"{root}: no fleet here (start one with `deploy snapshot`)")
+        raise FleetError(f"{root}: no fleet here (start one with `deploy snapshot`)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         data["replicas"] = [ReplicaRecord(**r) for r in data.get("replicas", [])]
         return FleetRecord(**data)
     except (json.JSONDecodeError, TypeError) as exc:
-        raise RolloutError(f"{path}: cannot read the fleet record ({exc})") from None
+        raise FleetError(f"{path}: cannot read the fleet record ({exc})") from None
 
 
 def write_record(root: str | Path, record: FleetRecord) -> None:

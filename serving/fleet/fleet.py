@@ -3,7 +3,7 @@
 ``deploy`` and the pipeline's rollout stage use it to put snapshots in front of traffic. The gateway is a
 detached process on this machine with its log under ``<root>/logs``; the replicas run where the backend
 puts them (``replica_backend.py``: processes on 127.0.0.1; ``ray_backend.py``: Ray actors on a cluster).
-What runs where is kept in ``<root>/fleet.json`` (``fleet_record.py``), so a later ``deploy`` command finds
+What runs where is kept in ``<root>/fleet.json`` (``record.py``), so a later ``deploy`` command finds
 the fleet again, on the same backend. The keys live beside it: an admin key for the controller, ``deploy``
 and registering replicas, and a user key for replayed traffic, both in 0600 files; the keys file holds only
 their hashes. Gateways run elsewhere in front of the same replicas (``other_gateways``) get every routing
@@ -25,9 +25,10 @@ import yaml
 
 from artifacts.common.atomic import atomic_write_text
 from artifacts.common.net import free_port
-from serving.rollout.fleet_record import BACKENDS, FleetRecord, ReplicaRecord, read_record, write_record
-from serving.rollout.gateway_group import GatewayGroup
-from serving.rollout.replica_backend import (
+from serving.fleet.errors import FleetError
+from serving.fleet.gateway_group import GatewayGroup
+from serving.fleet.record import BACKENDS, FleetRecord, ReplicaRecord, read_record, write_record
+from serving.fleet.replica_backend import (
     LocalBackend,
     ReplicaBackend,
     ReplicaLaunch,
@@ -36,7 +37,6 @@ from serving.rollout.replica_backend import (
     terminate,
     wait_for,
 )
-from serving.rollout.state import RolloutError
 
 FLEET_ACTOR = "fleet"
 
@@ -49,7 +49,7 @@ def warm_up(url: str, served_model: str, requests: int) -> None:
         try:
             httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         except httpx.TransportError as exc:
-            raise RolloutError(f"{url}: the warm-up request failed ({type(exc).__name__})") from None
+            raise FleetError(f"{url}: the warm-up request failed ({type(exc).__name__})") from None
 
 
 class Fleet:
@@ -92,14 +92,14 @@ class Fleet:
 
     def _load(self, backend: str | None, ray_address: str | None) -> FleetRecord:
         if backend is not None and backend not in BACKENDS:
-            raise RolloutError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+            raise FleetError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if (self.root / "fleet.json").is_file():
             record = read_record(self.root)
             if record.model_name != self.model_name:
-                raise RolloutError(f"{self.root}: this fleet serves {record.model_name!r}, not "
+                raise FleetError(f"{self.root}: this fleet serves {record.model_name!r}, not "
                                    f"{self.model_name!r} (use another --fleet directory)")
             if backend is not None and backend != record.backend and record.replicas:
-                raise RolloutError(f"{self.root}: this fleet runs on the {record.backend} backend, not {backend} "
+                raise FleetError(f"{self.root}: this fleet runs on the {record.backend} backend, not {backend} "
                                    "(`deploy stop` it first, or use another --fleet directory)")
         else:
             record = FleetRecord(self.model_name, self.tracking_uri)
@@ -112,7 +112,7 @@ class Fleet:
 
     def _make_backend(self) -> ReplicaBackend:
         if self.record.backend == "ray":
-            from serving.rollout.ray_backend import RayBackend  # imports Ray: only for a Ray fleet
+            from serving.fleet.ray_backend import RayBackend  # imports Ray: only for a Ray fleet
 
             return RayBackend(self.record.ray_address, self.record.ray_namespace, self.record.fleet_id, self.logs)
         return LocalBackend(self.logs)
@@ -253,7 +253,7 @@ class Fleet:
         try:
             self.backend.wait_ready(record, timeout)
             warm_up(record.url, served, warmup)
-        except RolloutError:
+        except FleetError:
             self.stop_replica(record)
             raise
         return record
@@ -277,13 +277,20 @@ class Fleet:
             gateways = self.gateways()
             try:
                 gateways.forget_replica(replica.actor, FLEET_ACTOR)
-            except RolloutError:
+            except FleetError:
                 pass  # a gateway that does not answer keeps a stale name: harmless, it routes by URL
             finally:
                 gateways.close()
 
-    def retire_unrouted(self, routing: dict) -> list[ReplicaRecord]:
-        """Stop the replicas no variant routes to any more (a rolled-back candidate, a retired champion)."""
+    def retire_unrouted(self, routing: dict | None = None) -> list[ReplicaRecord]:
+        """Stop the replicas no variant routes to any more (a rolled-back candidate, a retired champion).
+        ``routing`` is what the gateways route now; read from them when not given."""
+        if routing is None:
+            gateways = self.gateways()
+            try:
+                routing = gateways.routing()
+            finally:
+                gateways.close()
         routed = {url for name in ("champion", "canary", "shadow", "baseline")
                   for url in (routing.get(name) or {}).get("replicas", [])}
         self.record.replicas = [r for r in self.record.replicas if self._live(r)]
@@ -300,13 +307,13 @@ class Fleet:
         for replica in list(self.record.replicas):
             try:
                 self.backend.stop(replica, 10)
-            except RolloutError as exc:
+            except FleetError as exc:
                 problems.append(f"replica v{replica.version} ({replica.url}): {exc}")
                 kept.append(replica)
         if not problems:
             try:
                 self.backend.stop_strays(kept)
-            except RolloutError as exc:
+            except FleetError as exc:
                 problems.append(str(exc))
         terminate(self.record.gateway_pid, 10)
         self.record.replicas, self.record.gateway_pid, self.record.controller_pid = kept, None, None

@@ -1,8 +1,9 @@
-"""The lifecycle flow's stages, each a function of the pipeline context and its inputs' outputs.
+"""Each stage of the lifecycle flow as the Prefect task it runs as: its cache key and its work.
 
-A stage derives its cache key from its config and its inputs' keys and hands its work to `PipelineContext.run`
-(one cached, tracked Prefect task); the stage logic itself lives in the stage packages, imported inside the
-work functions so that importing this module stays cheap.
+A stage function (`base_stage`, `training_stage`, ...) derives its cache key from its config and its inputs'
+keys and hands its work to `PipelineContext.run`, which runs it as `flows.stage_runner.stage_task` (one cached,
+tracked Prefect task); the stage logic itself lives in the stage packages, imported inside the work functions
+so that importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from artifacts.errors import LifecycleError
 from flows.environment import Workdir
 from flows.ray_runner import LocalStages
 from flows.recipe import Recipe
-from flows.stage_runner import StageOutput, StageWork, console, is_complete, run_stage, stage_key
+from flows.stage_runner import StageOutput, StageWork, console, stage_is_done, stage_key, stage_task
 
 
 @dataclass
@@ -51,7 +52,7 @@ class PipelineContext:
         work = StageWork(stage=stage, key=key, out_dir=self.out_dir(stage, key), run=work_fn,
                          params=params or {})
         # A cached result is only trusted while its directory is complete; otherwise run and re-cache.
-        task = run_stage if is_complete(work.out_dir) else run_stage.with_options(refresh_cache=True)
+        task = stage_task if stage_is_done(work.out_dir) else stage_task.with_options(refresh_cache=True)
         state = self.stages.run(task, {"work": work, "parent_run_id": self.parent_run_id}, resources)
         output: StageOutput = state.result()
         output.cached = state.is_completed() and state.name == "Cached"
@@ -189,7 +190,7 @@ def draft_stage(ctx: PipelineContext, model: StageOutput, data: StageOutput) -> 
             texts, source = build_corpus(section.embedded.corpus_spec()), "the embedded corpus"
         else:
             texts, source = data_stage_texts(Path(data.path)), "the data stage's SFT chats"
-        # overwrite: a previous attempt may have published the draft but died before the stage's marker
+        # overwrite: a previous attempt may have published the draft but died before its STAGE_DONE record
         result = build_draft(model.path, out_dir / "draft", config, texts, overwrite=True)
         mlflow.log_artifact(str(result.path / DRAFT_RECORD))
         return result.metrics(), {"path": str(result.path), "target": model.path,

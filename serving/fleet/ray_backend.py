@@ -19,10 +19,10 @@ from pathlib import Path
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayError
 
-from serving.rollout.fleet_record import ReplicaRecord
-from serving.rollout.ray_replica import ReplicaActor
-from serving.rollout.replica_backend import REPLICA_ENV, ReplicaBackend, ReplicaLaunch
-from serving.rollout.state import RolloutError
+from serving.fleet.errors import FleetError
+from serving.fleet.ray_replica import ReplicaActor
+from serving.fleet.record import ReplicaRecord
+from serving.fleet.replica_backend import REPLICA_ENV, ReplicaBackend, ReplicaLaunch
 
 DEFAULT_NAMESPACE = "llm-lifecycle"
 MAX_RESTARTS = 10  # a replica that keeps dying is left dead after this many restarts (the gateway ejects it)
@@ -41,14 +41,14 @@ def connect(address: str, namespace: str) -> None:
             socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
         except (OSError, ValueError) as exc:
             reason = exc.strerror or type(exc).__name__ if isinstance(exc, OSError) else f"not HOST:PORT ({exc})"
-            raise RolloutError(f"no Ray cluster answers at {address} ({reason}); {START_HINT}") from None
+            raise FleetError(f"no Ray cluster answers at {address} ({reason}); {START_HINT}") from None
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR,
                  configure_logging=True)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RolloutError(f"no Ray cluster answers at {address} ({message[:200]}); {START_HINT}") from None
+        raise FleetError(f"no Ray cluster answers at {address} ({message[:200]}); {START_HINT}") from None
 
 
 def replica_resources(serve_args: list[str], threads: int | None, cluster_gpus: float) -> tuple[dict, list[str]]:
@@ -99,11 +99,11 @@ class RayBackend(ReplicaBackend):
             info = ray.get(actor.info.remote(), timeout=PLACE_TIMEOUT_S)
         except GetTimeoutError:
             ray.kill(actor, no_restart=True)
-            raise RolloutError(f"Ray placed no replica of v{launch.version} in {PLACE_TIMEOUT_S:.0f} s: it asks for "
+            raise FleetError(f"Ray placed no replica of v{launch.version} in {PLACE_TIMEOUT_S:.0f} s: it asks for "
                                f"{resources}, the cluster has {_free()} free") from None
         except RayError as exc:
             ray.kill(actor, no_restart=True)
-            raise RolloutError(f"the replica of v{launch.version} could not start on Ray: {_first_line(exc)}") \
+            raise FleetError(f"the replica of v{launch.version} could not start on Ray: {_first_line(exc)}") \
                 from None
         return ReplicaRecord(launch.version, launch.bundle, info["url"], info["pid"], f"{info['node']}:{info['log']}",
                              launch.served_model, list(launch.serve_flags), launch.role, actor=name, node=info["node"])
@@ -112,7 +112,7 @@ class RayBackend(ReplicaBackend):
         try:
             ray.get(self._handle(replica).wait_ready.remote(timeout), timeout=timeout + 30)
         except (RayError, ValueError) as exc:
-            raise RolloutError(f"{replica.url} (Ray actor {replica.actor}): {_first_line(exc)}") from None
+            raise FleetError(f"{replica.url} (Ray actor {replica.actor}): {_first_line(exc)}") from None
 
     def locate(self, replica: ReplicaRecord) -> str | None:
         deadline = time.monotonic() + LOCATE_TIMEOUT_S

@@ -7,14 +7,14 @@ from typing import Any
 
 import httpx
 
-from serving.rollout.state import RolloutError
+from serving.fleet.errors import FleetError
 
 
 def read_secret(path: str | Path) -> str:
     try:
         return Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:
-        raise RolloutError(f"{path}: cannot read the admin key ({exc.strerror})") from None
+        raise FleetError(f"{path}: cannot read the admin key ({exc.strerror})") from None
 
 
 class GatewayAdmin:
@@ -29,14 +29,14 @@ class GatewayAdmin:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:200]
-            raise RolloutError(f"gateway {self.url}: {what} answered {response.status_code}: {message}")
+            raise FleetError(f"gateway {self.url}: {what} answered {response.status_code}: {message}")
         return response.json()
 
     def _request(self, method: str, path: str, what: str, **kwargs) -> Any:
         try:
             return self._check(self.client.request(method, self.url + path, **kwargs), what)
         except httpx.TransportError as exc:
-            raise RolloutError(f"gateway {self.url}: {what} failed ({type(exc).__name__})") from None
+            raise FleetError(f"gateway {self.url}: {what} failed ({type(exc).__name__})") from None
 
     def routing(self) -> dict[str, Any]:
         return self._request("GET", "/admin/routing", "reading the routing")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from serving.rollout.gateway_client import GatewayAdmin
-from serving.rollout.state import RolloutError
+from serving.fleet.errors import FleetError
+from serving.fleet.gateway_client import GatewayAdmin
 
 _COUNTS = ("requests", "keys", "status_5xx", "status_429", "fallbacks", "completion_tokens")
 _SAMPLES = ("ttft_ms", "itl_ms", "e2e_ms", "ms_per_token")
@@ -27,7 +27,7 @@ class GatewayGroup:
 
     def __init__(self, urls: Sequence[str], admin_key: str, timeout: float = 30.0) -> None:
         if not urls:
-            raise RolloutError("no gateway to drive (the fleet has no gateway URL)")
+            raise FleetError("no gateway to drive (the fleet has no gateway URL)")
         self.members = [GatewayAdmin(url, admin_key, timeout) for url in dict.fromkeys(urls)]
         self.primary = self.members[0]
         self.url = self.primary.url
@@ -42,10 +42,10 @@ class GatewayGroup:
         for member in self.members:
             try:
                 results.append(member.set_routing(dict(patch), actor))
-            except RolloutError as exc:
+            except FleetError as exc:
                 errors.append(str(exc))
         if errors:
-            raise RolloutError("; ".join(errors))
+            raise FleetError("; ".join(errors))
         return results[0]
 
     def register_replica(self, name: str, url: str, actor: str) -> None:

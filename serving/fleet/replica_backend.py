@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from artifacts.common.net import free_port, wait_until_ready
-from serving.rollout.fleet_record import ReplicaRecord
-from serving.rollout.state import RolloutError
+from serving.fleet.errors import FleetError
+from serving.fleet.record import ReplicaRecord
 
 SERVE = ["-m", "serving.cli", "serve"]  # after the Python that runs it
 # several replicas (and the gateway) share a machine's cores: their OpenMP workers sleep at once instead of
@@ -51,7 +51,7 @@ class ReplicaBackend(ABC):
     name: str
 
     def connect(self) -> None:
-        """Make sure the platform the replicas run on answers, before anything starts (RolloutError if not)."""
+        """Make sure the platform the replicas run on answers, before anything starts (FleetError if not)."""
         return None
 
     @abstractmethod
@@ -64,7 +64,7 @@ class ReplicaBackend(ABC):
 
     @abstractmethod
     def wait_ready(self, replica: ReplicaRecord, timeout: float) -> None:
-        """Return once it answers /ready; raise RolloutError with its last log line when it cannot start."""
+        """Return once it answers /ready; raise FleetError with its last log line when it cannot start."""
 
     @abstractmethod
     def locate(self, replica: ReplicaRecord) -> str | None:
@@ -138,7 +138,7 @@ def wait_for(url: str, timeout: float, proc_pid: int | None = None, log: str | P
     alive = None if proc_pid is None else (lambda: pid_alive(proc_pid))
     if wait_until_ready(url, timeout, alive=alive, interval=0.2) is None:
         return
-    raise RolloutError(f"{url} did not answer in {timeout:.0f} s{last_log_line(log)}")
+    raise FleetError(f"{url} did not answer in {timeout:.0f} s{last_log_line(log)}")
 
 
 def last_log_line(log: str | Path | None) -> str:

@@ -1,8 +1,8 @@
-"""The recipe every post-training stage follows, read top to bottom in `run_stage`.
+"""The recipe every LoRA fine-tuning stage (SFT, DPO, GRPO) follows, read top to bottom in `run_finetune_stage`.
 
 check data → skip if finished → load model + adapters (all checks before any training) → build the TRL trainer
 → train, resuming from the newest checkpoint → save adapter → merge into a full HF dir → log to MLflow → write
-the completion marker last. sft.py, dpo.py and grpo.py only say what differs: data columns and the trainer.
+the finished marker last. sft.py, dpo.py and grpo.py only say what differs: data columns and the trainer.
 
 With `distributed.num_processes` > 1 the caller's process checks and skips as above, then launches the workers
 (training.launcher); each runs this same recipe as its rank (training.ranks), the Trainer trains under DDP or
@@ -29,11 +29,11 @@ from artifacts.jsonl import iter_jsonl
 from training.checkpoints import (
     CHECKPOINTS_DIR,
     clear_stale_outputs,
-    is_complete,
     prepare_checkpoints,
-    read_marker,
+    read_finished_marker,
     stage_fingerprint,
-    write_marker,
+    training_finished,
+    write_finished_marker,
 )
 from training.hardware import Hardware, TrainingError, configure_threads, detect_hardware, trainer_hardware_kwargs
 from training.heldout_curve import attach_heldout_curve, curve_summary
@@ -49,7 +49,7 @@ WORKER_LOGS_DIR = "workers"  # a distributed stage's job file, the logs of ranks
 
 @dataclass
 class StageContext:
-    """Everything a stage's trainer builder needs, gathered by `run_stage`."""
+    """Everything a stage's trainer builder needs, gathered by `run_finetune_stage`."""
 
     config: Any
     hw: Hardware
@@ -131,6 +131,8 @@ def _common_args(config: Any, hw: Hardware, checkpoints_dir: Path) -> dict[str, 
         "output_dir": str(checkpoints_dir),
         "learning_rate": config.learning_rate,
         "lr_scheduler_type": config.lr_scheduler,
+        # transformers 5 has no `warmup_ratio`: a `warmup_steps` below 1 is the ratio, ceil(ratio × total steps)
+        # (TrainingArguments.get_warmup_steps), and StageConfig keeps warmup_ratio in [0, 1)
         "warmup_steps": config.warmup_ratio,
         "weight_decay": config.weight_decay,
         "per_device_train_batch_size": config.distributed.per_process(config.batch_size),  # the global batch, split
@@ -280,8 +282,8 @@ def _train_in_workers(spec: StageSpec, config: Any, model_dir: Path, data_dir: P
     job = {"kind": "stage", "stage": spec.name, "config": config.to_dict(), "model_dir": str(model_dir),
            "data_dir": str(data_dir), "output_dir": str(output_dir)}
     launch_workers(job, config.distributed, detect_hardware().device, output_dir / WORKER_LOGS_DIR, spec.name)
-    if not is_complete(output_dir, fingerprint):
-        raise RuntimeError(f"{spec.name}: every worker exited 0 but {output_dir} has no completion marker")
+    if not training_finished(output_dir, fingerprint):
+        raise RuntimeError(f"{spec.name}: every worker exited 0 but {output_dir} has no finished marker")
     return StageResult.from_dict(json.loads((output_dir / RESULT_NAME).read_text(encoding="utf-8")))
 
 
@@ -291,8 +293,9 @@ def _adapter_state(trainer: Any) -> dict[str, Any] | None:
     return trainer.accelerator.get_state_dict(trainer.model_wrapped) if is_worker() else None
 
 
-def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:
-    """Run one post-training stage; see the module docstring for the order of events."""
+def run_finetune_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path,
+                       output_dir: Path) -> StageResult:
+    """Run one fine-tuning stage; see the module docstring for the order of events."""
     from training.lora import attach_adapters, load_base_model
     from training.merge import merge_adapter
 
@@ -305,12 +308,12 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     records, data_path = load_records(data_dir, spec, config.max_train_examples)
     data_digests = {data_path.name: sha256_file(data_path)}
     fingerprint = stage_fingerprint(spec.name, config.recipe(), model_dir, data_digests)
-    if is_complete(output_dir, fingerprint) and (output_dir / RESULT_NAME).is_file():
+    if training_finished(output_dir, fingerprint) and (output_dir / RESULT_NAME).is_file():
         result = StageResult.from_dict(json.loads((output_dir / RESULT_NAME).read_text(encoding="utf-8")))
         result.skipped = True
         log.info("%s: already finished in %s, skipped", spec.name, output_dir)
         return result
-    if read_marker(output_dir) is not None and is_main_process():
+    if read_finished_marker(output_dir) is not None and is_main_process():
         clear_stale_outputs(output_dir)
 
     rows = spec.to_rows(records, data_path)
@@ -374,5 +377,5 @@ def run_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: Path, out
     _log_mlflow(spec, config, result, data_digests, [output_dir / LOG_NAME, *ctx.artifacts])
     shutil.rmtree(output_dir / CHECKPOINTS_DIR, ignore_errors=True)
     atomic_write_json(output_dir / RESULT_NAME, result.to_dict())
-    write_marker(output_dir, fingerprint, {"stage": spec.name, "data": data_digests})  # last: the stage is done
+    write_finished_marker(output_dir, fingerprint, {"stage": spec.name, "data": data_digests})  # last: finished
     return result

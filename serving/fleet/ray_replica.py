@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from artifacts.common.net import answers_200
-from serving.rollout.replica_backend import last_log_line
+from serving.fleet.replica_backend import last_log_line
 
 REGISTER_FOR_S = 600.0  # how long a started server keeps trying to reach a gateway that does not answer
 _PR_SET_PDEATHSIG = 1

@@ -1,0 +1,19 @@
+"""What one API server holds, shared by its routes, handlers and the process that drains it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serving.api.engine_client import EngineClient
+from serving.api.engine_view import EngineView
+from serving.api.metrics import ServerMetrics
+from serving.engine import LLMEngine
+
+
+@dataclass
+class ServerState:
+    engine: LLMEngine | EngineView  # what the handlers read about the engine (tokenizer, defaults, limits)
+    engine_client: EngineClient  # where requests go: a step thread here, or the engine-core process
+    metrics: ServerMetrics
+    model_name: str
+    ready: bool = False
