@@ -13,6 +13,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RECIPE ?= configs/default.yaml
 PYTEST_ARGS ?=
+# the suite runs on this many workers, a test module to a worker; the `solo` modules (rollouts judged on
+# latency) run after, alone, so what they measure is not the other worker's load
+TEST_WORKERS ?= 2
 
 .PHONY: venv run test lint clean-venv
 
@@ -32,7 +35,10 @@ run: venv
 	$(BIN)/lifecycle run $(RECIPE)
 
 test: venv
-	$(BIN)/pytest $(PYTEST_ARGS)
+	@status=0; \
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not solo" $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(BIN)/pytest -p no:xdist -m solo $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
+	exit $$status
 
 lint: venv
 	$(BIN)/ruff check .

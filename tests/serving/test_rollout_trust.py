@@ -27,7 +27,8 @@ from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_versions, spec_for
 from tests.serving.test_fleet_faults import _fleet_record, _wait_phase, deploy
 
-pytestmark = pytest.mark.slow
+# the rollouts here are judged on latency: run alone, not beside another worker's load (see Makefile)
+pytestmark = [pytest.mark.slow, pytest.mark.solo]
 SUMS = [(12, 30), (45, 17), (7, 8), (23, 19), (31, 11), (9, 40), (26, 26), (14, 5)]
 
 
