@@ -350,7 +350,7 @@ class Proxy:
             itl_ms=(sum(gaps) / len(gaps) * 1000) if gaps else None, e2e_ms=e2e * 1000,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, stream=ctx.stream, probe=ctx.probe,
             conversation=ctx.conversation))
-        self._settle(ctx, usage, generated=not 400 <= status < 499)  # a replica's 4xx generated nothing
+        self._settle(ctx, usage, generated=not 400 <= status < 500)  # a replica's 4xx generated nothing
         if ctx.mirror is not None:
             ctx.mirror.primary_done(text or "", status, e2e * 1000)
         access_log.info("%s %s key=%s variant=%s v%s -> %d in %.0f ms", ctx.request_id, ctx.path, ctx.key.name,
