@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from artifacts.common.device import pick_device
+from artifacts.common.quiet import quiet_if_quantized
 from artifacts.common.stop_tokens import stop_token_ids
 from evals.errors import EvalError
 
@@ -91,7 +92,8 @@ def load_model(model_dir: str | Path, device: str | None = None) -> LoadedModel:
     dev = pick_device(device)
     dtype: Any = torch.float32 if dev.type == "cpu" else "auto"
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        with quiet_if_quantized(model_dir):
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     except (OSError, ValueError) as exc:
         raise EvalError(f"{model_dir}: cannot load the model ({exc})") from exc
     if getattr(model, "hf_device_map", None) is None:

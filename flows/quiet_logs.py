@@ -1,4 +1,4 @@
-"""Keep tracebacks of user errors out of Prefect's logs.
+"""Keep tracebacks of user errors out of Prefect's logs, and libraries' housekeeping out of the terminal.
 
 Prefect logs a failed task or flow with its traceback. For a `LifecycleError` (bad recipe, bad dataset,
 bad bundle) the traceback is noise: the message already names the file and the reason, and the CLI
@@ -12,6 +12,8 @@ import logging
 from artifacts.errors import LifecycleError
 
 _PREFECT_LOGGERS = ("prefect.flow_runs", "prefect.task_runs", "prefect.flow_engine", "prefect.task_engine")
+# INFO lines that narrate a library's housekeeping ("Creating initial MLflow database tables...") on a new workdir
+_HOUSEKEEPING_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration")
 
 
 class DropUserErrorTracebacks(logging.Filter):
@@ -30,3 +32,5 @@ def install() -> None:
     user_errors = DropUserErrorTracebacks()
     for name in _PREFECT_LOGGERS:
         logging.getLogger(name).addFilter(user_errors)
+    for name in _HOUSEKEEPING_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)

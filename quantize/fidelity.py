@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from artifacts.common.device import pick_device
 from artifacts.common.mlflow_batch import log_batch
+from artifacts.common.quiet import quiet_if_quantized
 from artifacts.digests import digest_json
 from quantize.backend import prepare_env
 from quantize.errors import QuantizeError
@@ -114,7 +115,8 @@ def _load(model_dir: Path, device: str) -> torch.nn.Module:
     if device != "cpu":
         kwargs["device_map"] = device
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        with quiet_if_quantized(model_dir):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError, ImportError) as err:
         raise QuantizeError(f"{model_dir}: cannot load for the fidelity report: {err}") from err
     return model.eval()

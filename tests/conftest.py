@@ -7,6 +7,7 @@ real data-stage output with small counts: later stages test against them instead
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -35,6 +36,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url(tmp_path_factory) -> Iterator[str]:
+    """This test process's Prefect server, started the first time a module asks for it (see prefect_server.py)."""
+    from tests.prefect_server import prefect_server
+
+    with prefect_server(tmp_path_factory.mktemp("prefect_server")) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+def on_prefect_server(prefect_api_url: str) -> Iterator[str]:
+    """For one module (``pytestmark = pytest.mark.usefixtures("on_prefect_server")``): the commands it starts run
+    their flows on the shared server instead of each starting an ephemeral one."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_API_URL", prefect_api_url)
+        yield prefect_api_url
 
 
 @pytest.fixture(scope="session")

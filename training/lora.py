@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from artifacts.common.quiet import import_quietly
 from training.hardware import Hardware, TrainingError, check_4bit_support
 from training.ranks import cuda_device_index
 from training.stage_config import LoraSettings
@@ -85,6 +86,7 @@ def attach_adapters(model: nn.Module, settings: LoraSettings):
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     check_target_modules(model, settings)
+    import_quietly("gptqmodel")  # peft imports it to look for GPTQ layers, and it prints a banner on import
     if settings.qlora:
         # Gradient checkpointing stays off: it only saves memory and costs ~30% time on a tiny model on CPU.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

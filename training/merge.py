@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from artifacts.common.atomic import staged_directory
+from artifacts.common.quiet import import_quietly
 from training.stage_config import TrainingError
 
 # Files copied verbatim from the base so the merged dir keeps the exact tokenizer, chat template and stop ids.
@@ -36,6 +37,7 @@ def merge_adapter(adapter_dir: Path, base_model_dir: Path, output_dir: Path) -> 
         raise TrainingError(f"{base_model_dir}: no config.json, not a Hugging Face model directory")
 
     base = AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=torch.float32)
+    import_quietly("gptqmodel")  # peft imports it to look for GPTQ layers, and it prints a banner on import
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.config.dtype = torch.float32
 

@@ -42,15 +42,34 @@ def _repoint_handlers(old: object, new: object) -> None:
 
 
 @contextlib.contextmanager
-def output_to_log(log_path: str | Path, label: str) -> Iterator[None]:
-    """Redirect fd 1 and 2 to ``log_path`` for the block; show ``label`` and elapsed time on the terminal."""
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+def _fds_to(log_path: str | Path) -> Iterator[None]:
+    """fd 1 and 2, and Python's sys.stdout/sys.stderr, write to ``log_path`` for the block (appended)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     saved_out, saved_err = os.dup(1), os.dup(2)
-    terminal = os.fdopen(os.dup(saved_err), "w", buffering=1)
+    python_streams = sys.stdout, sys.stderr
+    with open(log_path, "ab") as log, open(log_path, "a", buffering=1, encoding="utf-8") as text_log:
+        os.dup2(log.fileno(), 1)  # what C code writes
+        os.dup2(log.fileno(), 2)
+        sys.stdout = sys.stderr = text_log  # what Python writes, even where sys.stdout is not fd 1 (pytest)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = python_streams
+            _repoint_handlers(text_log, python_streams[1])
+            os.dup2(saved_out, 1)
+            os.dup2(saved_err, 2)
+            os.close(saved_out)
+            os.close(saved_err)
+
+
+@contextlib.contextmanager
+def output_to_log(log_path: str | Path, label: str) -> Iterator[None]:
+    """Redirect fd 1 and 2 to ``log_path`` for the block; show ``label`` and elapsed time on the terminal."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
     interactive = terminal.isatty()
     stop = threading.Event()
     started = time.monotonic()
@@ -63,25 +82,52 @@ def output_to_log(log_path: str | Path, label: str) -> Iterator[None]:
     ticker = threading.Thread(target=tick, daemon=True) if interactive else None
     if not interactive:
         terminal.write(f"  {label} (details: {log_path})\n")
-    python_streams = sys.stdout, sys.stderr
-    with open(log_path, "ab") as log, open(log_path, "a", buffering=1, encoding="utf-8") as text_log:
-        os.dup2(log.fileno(), 1)  # what C code writes
-        os.dup2(log.fileno(), 2)
-        sys.stdout = sys.stderr = text_log  # what Python writes, even where sys.stdout is not fd 1 (pytest)
-        if ticker is not None:
-            ticker.start()
-        try:
-            yield
-        finally:
-            stop.set()
+    try:
+        with _fds_to(log_path):
             if ticker is not None:
-                ticker.join(timeout=2)
-            sys.stdout, sys.stderr = python_streams
-            _repoint_handlers(text_log, python_streams[1])
-            os.dup2(saved_out, 1)
-            os.dup2(saved_err, 2)
-            os.close(saved_out)
-            os.close(saved_err)
-            if interactive:
-                terminal.write(f"\r  {label}: {time.monotonic() - started:4.0f} s\x1b[K\n")
-            terminal.close()
+                ticker.start()
+            try:
+                yield
+            finally:
+                stop.set()
+                if ticker is not None:
+                    ticker.join(timeout=2)
+    finally:
+        if interactive:
+            terminal.write(f"\r  {label}: {time.monotonic() - started:4.0f} s\x1b[K\n")
+        terminal.close()
+
+
+@contextlib.contextmanager
+def quietly(log_path: str | Path | None = None) -> Iterator[None]:
+    """A library's chatter goes to ``log_path`` (nowhere when None), with no line of ours on the terminal: for
+    gptqmodel's import banner (peft imports it to probe for GPTQ layers, even on a plain model) and the INFO
+    lines it prints while transformers loads a quantized checkpoint, where our caller already says what it is
+    doing. Failures still arrive as exceptions."""
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with _fds_to(log_path if log_path is not None else os.devnull):
+        yield
+
+
+def import_quietly(module: str) -> None:
+    """Import ``module`` (if installed and not yet imported) with its import-time banner sent nowhere."""
+    import importlib
+    import importlib.util
+
+    if module in sys.modules or importlib.util.find_spec(module) is None:
+        return
+    with quietly():
+        importlib.import_module(module)
+
+
+def quiet_if_quantized(model_dir: str | Path) -> contextlib.AbstractContextManager[None]:
+    """``quietly()`` while a GPTQ/AWQ checkpoint loads (its config.json has a ``quantization_config``: gptqmodel
+    prints its kernel choice and format conversions); a plain checkpoint loads with its own progress bar."""
+    import json
+
+    try:
+        quantized = "quantization_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        quantized = False  # the loader reports an unreadable config
+    return quietly() if quantized else contextlib.nullcontext()

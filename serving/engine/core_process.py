@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from artifacts.common.fast_exit import exit_now
 from serving.engine.config import EngineConfig
 from serving.engine.device_errors import DEVICE_ERROR_EXIT, describe_device_error, is_device_error
 from serving.engine.errors import EngineError
@@ -117,6 +118,8 @@ def run_engine_core(model_dir: str, config: EngineConfig, conn: Connection, log_
             conn.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
+    # the pipe's last message is sent, and the API process waits for this one to end before it can exit
+    exit_now(0)
 
 
 def _exit_on_device_error(conn: Connection, exc: BaseException) -> None:

@@ -236,6 +236,37 @@ class Fleet:
         existing = self.replica(version, role)
         if existing is not None:
             return existing
+        record = self._launch(bundle, version, serve_flags, role)
+        self._until_ready([record], timeout, warmup)
+        return record
+
+    def start_rollout_replicas(self, bundle: str | Path, version: str, champion: ReplicaRecord,
+                               serve_flags: Sequence[str] = (), warmup: int = 4, timeout: float = 600
+                               ) -> tuple[ReplicaRecord, ReplicaRecord]:
+        """The candidate's replica and, started with it, a baseline: a fresh replica of the champion's snapshot
+        with the champion's flags and the fleet's core budget, which the canary steps judge the candidate
+        against (same age, same share of traffic). Both get the same warm-up. The two boot side by side (a
+        replica's start is mostly imports and loading, one core each), so a rollout waits for one start, not
+        two."""
+        candidate = self.replica(version, "")
+        baseline = self.replica(champion.version, "baseline")
+        launched = []
+        if candidate is None:
+            candidate = self._launch(bundle, version, serve_flags, "")
+            launched.append(candidate)
+        if baseline is None:
+            try:
+                baseline = self._launch(champion.bundle, champion.version, champion.serve_flags, "baseline")
+            except FleetError:
+                for record in launched:
+                    self.stop_replica(record)
+                raise
+            launched.append(baseline)
+        self._until_ready(launched, timeout, warmup)
+        return candidate, baseline
+
+    def _launch(self, bundle: str | Path, version: str, serve_flags: Sequence[str], role: str) -> ReplicaRecord:
+        """Start a replica's process (or actor) and record it; it is not ready yet."""
         self.connect()
         served = f"{self.model_name}-v{version}"
         args = [str(bundle), "--served-model-name", served, "--kv-memory", self.kv_memory, "--log-level", "warning"]
@@ -250,24 +281,18 @@ class Fleet:
         record = self.backend.start(launch)
         self.record.replicas.append(record)
         self.save()
-        try:
-            self.backend.wait_ready(record, timeout)
-            warm_up(record.url, served, warmup)
-        except FleetError:
-            self.stop_replica(record)
-            raise
         return record
 
-    def start_rollout_replicas(self, bundle: str | Path, version: str, champion: ReplicaRecord,
-                               serve_flags: Sequence[str] = (), warmup: int = 4
-                               ) -> tuple[ReplicaRecord, ReplicaRecord]:
-        """The candidate's replica and, started with it, a baseline: a fresh replica of the champion's snapshot
-        with the champion's flags and the fleet's core budget, which the canary steps judge the candidate
-        against (same age, same share of traffic). Both get the same warm-up."""
-        candidate = self.start_replica(bundle, version, serve_flags=serve_flags, warmup=warmup)
-        baseline = self.start_replica(champion.bundle, champion.version, serve_flags=champion.serve_flags,
-                                      role="baseline", warmup=warmup)
-        return candidate, baseline
+    def _until_ready(self, records: Sequence[ReplicaRecord], timeout: float, warmup: int) -> None:
+        """Wait for each new replica to answer, then warm it up; if one fails, all of them are stopped."""
+        try:
+            for record in records:
+                self.backend.wait_ready(record, timeout)
+                warm_up(record.url, record.served_model, warmup)
+        except FleetError:
+            for record in records:
+                self.stop_replica(record)
+            raise
 
     def stop_replica(self, replica: ReplicaRecord, grace: float = 10) -> None:
         self.backend.stop(replica, grace)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 
-from artifacts.common.quiet import output_to_log
+import pytest
+
+from artifacts.common.quiet import output_to_log, quiet_if_quantized, quietly
 
 
 def test_python_and_c_level_output_goes_to_the_log_and_the_terminal_comes_back(tmp_path, capfd):
@@ -37,3 +40,28 @@ def test_a_log_handler_a_library_sets_up_meanwhile_writes_to_stderr_afterwards(t
         assert "said after loading" in err and "Logging error" not in err
     finally:
         lib.removeHandler(handler)
+
+
+def test_quietly_says_nothing_of_its_own_and_lets_failures_through(tmp_path, capfd):
+    with quietly():
+        print("banner from python")
+        os.write(2, b"INFO  Kernel: selected by C code\n")
+    with pytest.raises(ValueError, match="bad checkpoint"), quietly(tmp_path / "lib.log"):
+        print("kept in the log")
+        raise ValueError("bad checkpoint")
+    print("after")
+    out, err = capfd.readouterr()
+    assert out == "after\n" and err == ""
+    assert "kept in the log" in (tmp_path / "lib.log").read_text()
+
+
+def test_quiet_if_quantized_silences_only_a_quantized_checkpoint(tmp_path, capfd):
+    plain, quantized = tmp_path / "plain", tmp_path / "gptq"
+    for path, config in ((plain, {}), (quantized, {"quantization_config": {"quant_method": "gptq"}})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    for path in (plain, quantized):
+        with quiet_if_quantized(path):
+            print(f"loading {path.name}")
+    out, _ = capfd.readouterr()
+    assert out == "loading plain\n"

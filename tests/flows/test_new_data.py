@@ -17,7 +17,7 @@ import yaml
 from mlflow import MlflowClient
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_prefect_server")]
 
 
 def _chat(i: int) -> dict:
@@ -58,7 +58,9 @@ def test_a_bad_new_file_fails_that_run_names_it_notifies_and_changes_nothing(tmp
 
     webhook = HTTPServer(("127.0.0.1", 0), _Webhook)
     threading.Thread(target=webhook.serve_forever, daemon=True).start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING"))}
+    # Prefect's home is the workdir's; its API the suite's server (as a deployment's worker would have it)
+    env = {k: v for k, v in os.environ.items()
+           if k == "PREFECT_API_URL" or not k.startswith(("PREFECT_", "MLFLOW_TRACKING"))}
     env |= {"LIFECYCLE_HOME": str(home),
             "LIFECYCLE_NOTIFY_WEBHOOK": f"http://127.0.0.1:{webhook.server_address[1]}/hook"}
 

@@ -62,6 +62,7 @@ def _shrunk_example(tmp_path: Path, model: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")
 def test_example_recipe_on_a_two_kv_head_model_bundles_and_verifies_at_tp_4(tmp_path: Path) -> None:
     model = _local_model(tmp_path)
     assert json.loads((model / "config.json").read_text())["num_key_value_heads"] == 2

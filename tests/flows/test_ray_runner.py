@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,44 +18,17 @@ from artifacts.common.net import free_port
 from artifacts.errors import ConfigError
 from flows.preflight import preflight
 from flows.recipe import load_recipe
+from tests.serving.ray_support import ray_cluster
 
-RAY = str(Path(sys.executable).with_name("ray"))
 REPO = Path(__file__).resolve().parents[2]
-QUIET = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
 @pytest.fixture()
 def ray_head() -> Iterator[str]:
-    """`ray start --head --block` with 2 CPUs, its own temp dir and free ports; yields HOST:PORT. `--block` keeps
-    the node's processes under one process group, which the teardown ends (no `ray stop`: it would stop every
-    cluster on the machine)."""
-    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    port = free_port()
-    ports = [f"--{name}={free_port()}" for name in ("ray-client-server-port", "dashboard-port",
-                                                    "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                    "metrics-export-port")]
-    with open(temp / "head.log", "wb") as log:
-        head = subprocess.Popen([RAY, "start", "--head", "--block", "--disable-usage-stats", f"--port={port}",
-                                 "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
-                                 f"--temp-dir={temp}", f"--object-store-memory={100 * 2**20}", *ports],
-                                stdout=log, stderr=subprocess.STDOUT, env=os.environ | QUIET, start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while subprocess.run([RAY, "status", f"--address={address}"], capture_output=True,
-                             env=os.environ | QUIET).returncode != 0:
-            assert head.poll() is None, (temp / "head.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the Ray head did not come up in 120 s"
-            time.sleep(1)
-        yield address
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # a node that takes longer is killed whole: its state dies with it
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        shutil.rmtree(temp, ignore_errors=True)
+    """A one-node Ray cluster with 2 CPUs (ray_support.py: its own temp dir and ports, started again if the node
+    misses Ray's fixed registration wait on a loaded machine); yields HOST:PORT."""
+    with ray_cluster(head_cpus=2, node_cpus=0) as cluster:
+        yield cluster.address
 
 
 def ray_recipe(micro_recipe: Path, address: str) -> Path:
@@ -73,6 +43,7 @@ def ray_recipe(micro_recipe: Path, address: str) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")
 def test_stage_tasks_run_in_ray_workers_and_record_where(micro_recipe, ray_head, tmp_path):
     recipe = ray_recipe(micro_recipe, ray_head)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}

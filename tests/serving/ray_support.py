@@ -45,13 +45,24 @@ def _node(args: list[str], temp: Path, name: str) -> subprocess.Popen:
                             env=os.environ | QUIET, start_new_session=True)
 
 
+class _SlowStart(AssertionError):
+    """A node gave up registering with the head: `ray start` waits a fixed 30 s for that (node.py), which a
+    loaded 2-core machine can miss. Starting the cluster again is the cure, not a longer wait."""
+
+
+def _node_exited(proc: subprocess.Popen, name: str, temp: Path) -> AssertionError:
+    log = (temp / f"{name}.log").read_text(errors="replace")
+    kind = _SlowStart if "timed out during startup" in log else AssertionError
+    return kind(f"ray {name} exited: {log[-2000:]}")
+
+
 def _wait_nodes(address: str, count: int, procs: list[subprocess.Popen], temp: Path, timeout: float) -> None:
     """Until ``ray status`` lists ``count`` alive nodes (a node process that exits first fails at once)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for proc, name in zip(procs, ("head", "node")):
             if proc.poll() is not None:
-                raise AssertionError(f"ray {name} exited: {(temp / f'{name}.log').read_text()[-2000:]}")
+                raise _node_exited(proc, name, temp)
         status = subprocess.run([RAY, "status", f"--address={address}"], capture_output=True, text=True,
                                 env=os.environ | QUIET, timeout=60)
         if status.returncode == 0 and status.stdout.count(" node_") >= count:
@@ -60,28 +71,42 @@ def _wait_nodes(address: str, count: int, procs: list[subprocess.Popen], temp: P
     raise AssertionError(f"the Ray cluster at {address} never had {count} nodes")
 
 
+def _start(head_cpus: int, node_cpus: int, temp: Path, timeout: float, procs: list[subprocess.Popen]) -> str:
+    """Start the head (and the second node) into ``procs``; the head's GCS address once every node is up."""
+    procs.append(_node(["--head", f"--port={free_port()}", "--node-ip-address=127.0.0.1",
+                        f"--num-cpus={head_cpus}", '--resources={"head": 1}', "--include-dashboard=false",
+                        f"--dashboard-port={free_port()}"], temp, "head"))
+    address = _head_address(procs[0], temp, timeout)
+    _wait_nodes(address, 1, procs, temp, timeout)
+    if node_cpus:
+        procs.append(_node([f"--address={address}", f"--num-cpus={node_cpus}", '--resources={"node2": 1}'],
+                           temp, "node"))
+        _wait_nodes(address, 2, procs, temp, timeout)
+    return address
+
+
 @contextlib.contextmanager
-def ray_cluster(head_cpus: int = 3, node_cpus: int = 2, timeout: float = 180.0) -> Iterator[RayCluster]:
+def ray_cluster(head_cpus: int = 3, node_cpus: int = 2, timeout: float = 180.0,
+                attempts: int = 3) -> Iterator[RayCluster]:
     """A head (``head_cpus`` CPUs, resource ``head``) and a second node (``node_cpus``, resource ``node2``; none
-    when 0)."""
-    # short: Ray's unix sockets live below it, and a socket path may not exceed 107 characters
-    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    head = _node(["--head", f"--port={free_port()}", "--node-ip-address=127.0.0.1", f"--num-cpus={head_cpus}",
-                  '--resources={"head": 1}', "--include-dashboard=false", f"--dashboard-port={free_port()}"],
-                 temp, "head")
-    procs = [head]
-    try:
-        address = _head_address(head, temp, timeout)
-        _wait_nodes(address, 1, procs, temp, timeout)
-        if node_cpus:
-            procs.append(_node([f"--address={address}", f"--num-cpus={node_cpus}", '--resources={"node2": 1}'],
-                               temp, "node"))
-            _wait_nodes(address, 2, procs, temp, timeout)
-        yield RayCluster(address, temp, [p.pid for p in procs])
-    finally:
-        for proc in reversed(procs):
-            _stop(proc)
-        shutil.rmtree(temp, ignore_errors=True)
+    when 0). A node that times out registering is started again with a fresh cluster, ``attempts`` times."""
+    for attempt in range(1, attempts + 1):
+        # short: Ray's unix sockets live below it, and a socket path may not exceed 107 characters
+        temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+        procs: list[subprocess.Popen] = []
+        try:
+            try:
+                address = _start(head_cpus, node_cpus, temp, timeout, procs)
+            except _SlowStart:
+                if attempt == attempts:
+                    raise
+                continue  # the finally below stops what did start
+            yield RayCluster(address, temp, [p.pid for p in procs])
+            return
+        finally:
+            for proc in reversed(procs):
+                _stop(proc)
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -103,4 +128,6 @@ def _head_address(head: subprocess.Popen, temp: Path, timeout: float) -> str:
         if written.is_file() and written.read_text().strip():
             return written.read_text().strip()
         time.sleep(0.3)
+    if head.poll() is not None:
+        raise _node_exited(head, "head", temp)
     raise AssertionError(f"the Ray head never came up: {(temp / 'head.log').read_text()[-2000:]}")

@@ -28,7 +28,7 @@ from tests.serving.fleet_support import bearer, deploy, free_port, gateway_proce
 from tests.serving.ray_support import ray_cluster
 from tests.serving.rollout_support import MODEL, fast_plan, register_versions
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_prefect_server")]
 
 
 @pytest.fixture(scope="module")
