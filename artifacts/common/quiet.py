@@ -121,13 +121,18 @@ def import_quietly(module: str) -> None:
         importlib.import_module(module)
 
 
-def quiet_if_quantized(model_dir: str | Path) -> contextlib.AbstractContextManager[None]:
-    """``quietly()`` while a GPTQ/AWQ checkpoint loads (its config.json has a ``quantization_config``: gptqmodel
-    prints its kernel choice and format conversions); a plain checkpoint loads with its own progress bar."""
+def is_quantized_checkpoint(model_dir: str | Path) -> bool:
+    """Whether a checkpoint's config.json names a ``quantization_config`` (GPTQ/AWQ: transformers loads it
+    through gptqmodel). An unreadable config counts as not quantized: the loader reports it."""
     import json
 
     try:
-        quantized = "quantization_config" in json.loads((Path(model_dir) / "config.json").read_text())
+        return "quantization_config" in json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        quantized = False  # the loader reports an unreadable config
-    return quietly() if quantized else contextlib.nullcontext()
+        return False
+
+
+def quiet_if_quantized(model_dir: str | Path) -> contextlib.AbstractContextManager[None]:
+    """``quietly()`` while a GPTQ/AWQ checkpoint loads (gptqmodel prints its kernel choice and format
+    conversions); a plain checkpoint loads with its own progress bar."""
+    return quietly() if is_quantized_checkpoint(model_dir) else contextlib.nullcontext()

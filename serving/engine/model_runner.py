@@ -18,7 +18,6 @@ The ``cpp`` and ``torch`` paths build a step's inputs from lists (``legacy_step_
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import tempfile
@@ -338,13 +337,10 @@ class ModelRunner:
 def _library_output_to_log(path: Path) -> contextlib.AbstractContextManager[None]:
     """For a GPTQ/AWQ checkpoint, gptqmodel's banner and kernel-selection lines go to a log file in the temp
     directory while it loads (the server's output says where); other checkpoints load as they are."""
-    try:
-        quantized = "quantization_config" in json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        quantized = False  # the loader reports an unreadable config
-    if not quantized:
+    from artifacts.common.quiet import is_quantized_checkpoint, output_to_log
+
+    if not is_quantized_checkpoint(path):
         return contextlib.nullcontext()
-    from artifacts.common.quiet import output_to_log
 
     log_path = Path(tempfile.gettempdir()) / f"lifecycle-serve-{os.getpid()}-gptqmodel.log"
     return output_to_log(log_path, f"loading the quantized checkpoint {path.name} (gptqmodel)")
