@@ -13,8 +13,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RECIPE ?= configs/default.yaml
 PYTEST_ARGS ?=
-# the suite runs on this many workers, a test module to a worker; the `solo` modules (rollouts judged on
-# latency) run after, alone, so what they measure is not the other worker's load
+# the suite runs on this many workers, a test module to a worker (rollouts judged on latency run beside the
+# other worker: their shadow gate compares each mirrored request with the champion's answer of the same moment)
 TEST_WORKERS ?= 2
 
 .PHONY: venv run test lint clean-venv
@@ -35,10 +35,7 @@ run: venv
 	$(BIN)/lifecycle run $(RECIPE)
 
 test: venv
-	@status=0; \
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not solo" $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
-	$(BIN)/pytest -p no:xdist -m solo $(PYTEST_ARGS) || [ $$? -eq 5 ] || status=1; \
-	exit $$status
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -91,9 +91,10 @@ def merge_windows(windows: list[dict[str, Any]], disagreements: int = 10) -> dic
             key = (str(row["primary_version"]), str(row["shadow_version"]))
             into = pairs.setdefault(key, {"primary_version": row["primary_version"],
                                           "shadow_version": row["shadow_version"], **dict.fromkeys(_PAIR_COUNTS, 0),
-                                          **{name: [] for name in _PAIR_MEANS}})
+                                          **{name: [] for name in _PAIR_MEANS}, "ms_per_token": []})
             for name in _PAIR_COUNTS:
                 into[name] += row.get(name) or 0
+            into["ms_per_token"] += row.get("ms_per_token") or []
             for name in _PAIR_MEANS:
                 if row.get(name) is not None:
                     into[name].append((row[name], row.get("pairs") or 0))

@@ -30,7 +30,8 @@ CREATE TABLE IF NOT EXISTS pairs (
     primary_status INTEGER, shadow_status INTEGER, primary_ms REAL, shadow_ms REAL,
     primary_text TEXT, shadow_text TEXT, exact_match INTEGER, same_answer INTEGER,
     answer_primary TEXT, answer_shadow TEXT, refusal_primary INTEGER, refusal_shadow INTEGER,
-    first_divergence INTEGER, length_ratio REAL, similarity REAL, agree INTEGER
+    first_divergence INTEGER, length_ratio REAL, similarity REAL, agree INTEGER,
+    primary_tokens INTEGER, shadow_tokens INTEGER
 );
 CREATE INDEX IF NOT EXISTS pairs_ts ON pairs (ts);
 """
@@ -82,6 +83,8 @@ class PairRecord:
     length_ratio: float
     similarity: float
     agree: bool
+    primary_tokens: int | None = None  # completion tokens of each answer: the pair's ms per token, side by side
+    shadow_tokens: int | None = None
 
 
 _STOP = object()
@@ -93,9 +96,9 @@ class ObservationStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as conn:
             conn.executescript(_SCHEMA)
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
-            if "conversation" not in columns:  # a store written before keys were counted
-                conn.execute("ALTER TABLE requests ADD COLUMN conversation TEXT")
+            _add_missing_columns(conn, "requests", {"conversation": "TEXT"})  # a store from before keys were counted
+            # ... and from before a pair kept its token counts
+            _add_missing_columns(conn, "pairs", {"primary_tokens": "INTEGER", "shadow_tokens": "INTEGER"})
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write_loop, name="observations-writer", daemon=True)
         self._thread.start()
@@ -196,7 +199,18 @@ class ObservationStore:
         keys = ("primary_version", "shadow_version", "pairs", "shadow_errors", "compared", "exact_match",
                 "with_answer", "same_answer", "agree", "refusal_flips", "similarity", "length_ratio",
                 "primary_ms", "shadow_ms")
-        return [dict(zip(keys, row)) for row in rows]
+        out = []
+        for row in rows:
+            group = dict(zip(keys, row))
+            # ms per output token of both answers to each mirrored request, [primary, shadow]: the shadow
+            # latency gate compares them pair by pair, so what the host did at that moment hits both sides
+            group["ms_per_token"] = [list(r) for r in conn.execute(
+                "SELECT primary_ms / primary_tokens, shadow_ms / shadow_tokens FROM pairs WHERE ts >= ? AND ts < ? "
+                "AND primary_version = ? AND shadow_version = ? AND primary_status = 200 AND shadow_status = 200 "
+                "AND primary_tokens > 0 AND shadow_tokens > 0 ORDER BY ts DESC LIMIT ?",
+                (since, until, group["primary_version"], group["shadow_version"], MAX_SAMPLES))]
+            out.append(group)
+        return out
 
     @staticmethod
     def _disagreements(conn: sqlite3.Connection, since: float, until: float, limit: int) -> list[dict[str, Any]]:
@@ -207,3 +221,11 @@ class ObservationStore:
             "(same_answer = 0) DESC, similarity ASC LIMIT ?", (since, until, limit))
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def _add_missing_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """Bring a store written by an older gateway up to this schema (a restarted gateway keeps its file)."""
+    present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+    for name, kind in columns.items():
+        if name not in present:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")

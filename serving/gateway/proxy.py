@@ -352,7 +352,8 @@ class Proxy:
             conversation=ctx.conversation))
         self._settle(ctx, usage, generated=not 400 <= status < 500)  # a replica's 4xx generated nothing
         if ctx.mirror is not None:
-            ctx.mirror.primary_done(text or "", status, e2e * 1000)
+            ctx.mirror.primary_done(text or "", status, e2e * 1000,
+                                    completion_tokens if isinstance(completion_tokens, int) else None)
         access_log.info("%s %s key=%s variant=%s v%s -> %d in %.0f ms", ctx.request_id, ctx.path, ctx.key.name,
                         variant, attempt.version or "?", status, e2e * 1000)
 

@@ -35,9 +35,9 @@ class Mirror:
     def __init__(self) -> None:
         self._primary: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    def primary_done(self, text: str, status: int, ms: float) -> None:
+    def primary_done(self, text: str, status: int, ms: float, completion_tokens: int | None = None) -> None:
         if not self._primary.done():
-            self._primary.set_result((text, status, ms))
+            self._primary.set_result((text, status, ms, completion_tokens))
 
 
 class ShadowMirror:
@@ -109,7 +109,8 @@ class ShadowMirror:
                                      completion_tokens=usage.get("completion_tokens")))
         self.metrics.requests.labels("shadow", shadow.version, str(status)).inc()
         try:
-            primary_text, primary_status, primary_ms = await asyncio.wait_for(mirror._primary, PRIMARY_WAIT_S)
+            primary = await asyncio.wait_for(mirror._primary, PRIMARY_WAIT_S)
+            primary_text, primary_status, primary_ms, primary_tokens = primary
         except TimeoutError:
             return
         if status != 200 or primary_status != 200:
@@ -127,7 +128,8 @@ class ShadowMirror:
             exact_match=cmp.exact_match, same_answer=cmp.same_answer, answer_primary=cmp.answer_primary,
             answer_shadow=cmp.answer_shadow, refusal_primary=cmp.refusal_primary,
             refusal_shadow=cmp.refusal_shadow, first_divergence=cmp.first_divergence,
-            length_ratio=cmp.length_ratio, similarity=cmp.similarity, agree=cmp.agree))
+            length_ratio=cmp.length_ratio, similarity=cmp.similarity, agree=cmp.agree,
+            primary_tokens=primary_tokens, shadow_tokens=usage.get("completion_tokens")))
 
     async def drain(self, timeout: float = 5.0) -> None:
         if self._tasks:

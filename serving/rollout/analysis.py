@@ -139,11 +139,19 @@ def systems_verdicts(window: dict, candidate: tuple[str, str], champion: tuple[s
         verdicts.append(judge.shift_gate("itl_ratio", cand["itl_ms"], champ["itl_ms"],
                                          max_ratio=gates.max_itl_ratio, alpha=alpha, min_samples=min_requests,
                                          against=against))
-    else:
-        verdicts.append(judge.latency_gate("ms_per_token_p95_ratio", cand["ms_per_token"], champ["ms_per_token"],
-                                           max_ratio=gates.max_ms_per_token_p95_ratio, alpha=alpha,
-                                           min_samples=min_requests))
+    else:  # shadow: each mirrored request against the champion's answer to the same request
+        verdicts.append(judge.paired_latency_gate(
+            "ms_per_token_p95_ratio", paired_ms_per_token(window, champion[1], candidate[1]),
+            max_ratio=gates.max_ms_per_token_p95_ratio, alpha=alpha, min_samples=min_requests))
     return verdicts
+
+
+def paired_ms_per_token(window: dict, primary_version: str, shadow_version: str) -> list[list[float]]:
+    """[champion, shadow] ms per output token for each mirrored request both answered."""
+    for row in window.get("pairs", []):
+        if str(row["primary_version"]) == str(primary_version) and str(row["shadow_version"]) == str(shadow_version):
+            return list(row.get("ms_per_token") or [])
+    return []
 
 
 def traffic_rows(window: dict) -> list[dict[str, Any]]:

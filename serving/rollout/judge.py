@@ -22,9 +22,10 @@ Tests, chosen for small counts and for what each gate measures:
   hundreds; and it ignores the outliers shared cores produce. The price is that a regression confined to
   the slowest few percent moves the median little; the shadow phase's pairwise test below covers tails.
 - shadow latency (ms per output token), each mirrored request against the champion's answer to the very
-  same request: an exceedance test. If the candidate's p95 were at most ``max_ratio`` times the
-  champion's, at most 5% of candidate samples would exceed ``max_ratio × champion p95``; a one-sided
-  binomial test on how many do asks exactly the question the gate states.
+  same request: the ratio of the two sides' p95 over the same pairs, bounded by a paired bootstrap (whole
+  pairs resampled). Both answers of a pair ran at the same moment on the same host, so a burst of load lands
+  on both; against the champion pool's requests instead (the old gate), the A/A ratio wandered ×1.0-1.5 with
+  whatever else the host ran.
 
 Looking at the data after every step would inflate false alarms, so the controller divides ``alpha``
 over the planned analyses (Bonferroni): each gate fails a good candidate with probability at most ``alpha``
@@ -38,9 +39,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.stats import binomtest, mannwhitneyu, norm
-
-from artifacts.common.stats import quantile
+from scipy.stats import mannwhitneyu, norm
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 
@@ -97,25 +96,45 @@ def rate_gate(gate: str, bad_candidate: int, n_candidate: int, bad_baseline: int
                    f"{label} {p_c:.3f} vs {p_b:.3f} (within {margin:g})", critical)
 
 
-def latency_gate(gate: str, candidate: list[float], baseline: list[float], *, max_ratio: float, alpha: float,
-                 min_samples: int, critical: bool = True, q: float = 0.95) -> Verdict:
-    """Fail when the candidate's ``q``-quantile is significantly above ``max_ratio`` × the baseline's."""
-    rule = f"p{round(q * 100)} ≤ {max_ratio:g}× baseline"
-    n = min(len(candidate), len(baseline))
-    qc, qb = quantile(candidate, q), quantile(baseline, q)
-    ratio = (qc / qb) if qc is not None and qb else None
+PAIRED_BOOTSTRAP_ROUNDS = 2000
+PAIRED_MAX_SAMPLES = 1000  # pairs resampled per round (a larger window is thinned, the same way every time)
+
+
+def paired_latency_gate(gate: str, pairs: list[tuple[float, float]] | list[list[float]], *, max_ratio: float,
+                        alpha: float, min_samples: int, critical: bool = True, q: float = 0.95) -> Verdict:
+    """Fail when the candidate's ``q``-quantile is significantly above ``max_ratio`` × the champion's, both taken
+    over the same mirrored requests: ``pairs`` holds (champion, candidate) per request.
+
+    Why quantiles of the two sides and not of per-request ratios: ms per token depends on the answer's
+    length (the prompt's prefill is spread over its tokens), and two models give the same prompt answers of
+    different lengths, so a single pair's ratio says as much about lengths as about speed (an equally fast
+    model read ×2 at the pairs' p95). Over the same requests, each side's p95 meets the same prompts at the
+    same moments. The bound comes from a paired bootstrap: whole pairs are resampled, so the correlation the
+    shared moment gives both sides narrows the interval instead of being ignored. The one-sided p-value is
+    the share of rounds whose ratio stays within the tolerance.
+    """
+    rule = f"p{round(q * 100)} ≤ {max_ratio:g}× champion, same requests"
+    values = np.asarray(pairs, dtype=float).reshape(-1, 2)
+    n = len(values)
     if n < min_samples:
-        return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, None, n, min_samples,
-                       f"too few samples ({len(candidate)} candidate, {len(baseline)} baseline; need {min_samples})",
-                       critical)
-    limit = max_ratio * qb
-    exceed = sum(v > limit for v in candidate)
-    p_value = float(binomtest(exceed, len(candidate), 1 - q, alternative="greater").pvalue)
-    detail = f"p{round(q * 100)} {qc:.1f} vs {qb:.1f} ms (×{ratio:.2f}); {exceed}/{len(candidate)} above {limit:.1f}"
+        return Verdict(gate, INCONCLUSIVE, None, 1.0, rule, None, n, min_samples,
+                       f"too few mirrored pairs with tokens ({n}; need {min_samples})", critical)
+    champion, candidate = values[:, 0], values[:, 1]
+    ratio = float(np.quantile(candidate, q) / max(float(np.quantile(champion, q)), 1e-9))
+    rng = np.random.default_rng(0)
+    if n > PAIRED_MAX_SAMPLES:
+        values = values[rng.choice(n, PAIRED_MAX_SAMPLES, replace=False)]
+    rounds = values[rng.integers(0, len(values), size=(PAIRED_BOOTSTRAP_ROUNDS, len(values)))]
+    ratios = np.quantile(rounds[..., 1], q, axis=1) / np.maximum(np.quantile(rounds[..., 0], q, axis=1), 1e-9)
+    p_value = float((np.sum(ratios <= max_ratio) + 1) / (PAIRED_BOOTSTRAP_ROUNDS + 1))
+    lower = float(np.quantile(ratios, alpha))
+    per_pair = float(np.median(candidate / np.maximum(champion, 1e-9)))
+    detail = (f"p{round(q * 100)} {np.quantile(candidate, q):.1f} vs {np.quantile(champion, q):.1f} ms/token on "
+              f"{n} mirrored requests (×{ratio:.2f}, ≥ ×{lower:.2f} at {1 - alpha:.1%}); median pair ×{per_pair:.2f}")
     if p_value < alpha:
         return Verdict(gate, FAIL, ratio, 1.0, rule, p_value, n, min_samples,
                        f"{detail}: beyond ×{max_ratio:g} (p={p_value:.2g})", critical)
-    if ratio is not None and ratio > max_ratio:
+    if ratio > max_ratio:
         return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, p_value, n, min_samples,
                        f"{detail}: above ×{max_ratio:g} but not significantly (p={p_value:.2g})", critical)
     return Verdict(gate, PASS, ratio, 1.0, rule, p_value, n, min_samples, detail, critical)

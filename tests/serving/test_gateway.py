@@ -200,6 +200,9 @@ def test_shadow_answers_are_compared_and_never_returned(tmp_path, replica_a, rep
         assert pairs and pairs[0]["pairs"] == len(prompts) + 1
         assert pairs[0]["primary_version"] == "1" and pairs[0]["shadow_version"] == "2"
         assert pairs[0]["exact_match"] < pairs[0]["pairs"]
+        # every pair, the streamed one included, has both answers' ms per output token side by side
+        assert len(pairs[0]["ms_per_token"]) == len(prompts) + 1
+        assert all(champion > 0 and shadow > 0 for champion, shadow in pairs[0]["ms_per_token"])
         top = stats["disagreements"][0]
         assert top["primary_text"] in direct and top["shadow_text"] in other
         assert top["first_divergence"] is not None and top["length_ratio"] > 0

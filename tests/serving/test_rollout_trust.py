@@ -28,7 +28,7 @@ from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_vers
 from tests.serving.test_fleet_faults import _fleet_record, _wait_phase, deploy
 
 # the rollouts here are judged on latency: run alone, not beside another worker's load (see Makefile)
-pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.usefixtures("on_prefect_server")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_prefect_server")]
 SUMS = [(12, 30), (45, 17), (7, 8), (23, 19), (31, 11), (9, 40), (26, 26), (14, 5)]
 
 
