@@ -32,7 +32,12 @@ class ProbeItem:
 
 @dataclass
 class ProbeScore:
-    """Counts for one variant; rates are derived, so two variants compare on the same denominators."""
+    """Counts for one variant; rates are derived, so two variants compare on the same denominators.
+
+    ``tasks``, ``harmful`` and ``lookalike`` count the probes that were *answered*: a probe that got no reply
+    (unreachable, an error status, a body that is not a chat completion) is not a wrong answer or a harmful
+    one answered, it is no evidence at all. It is counted under its kind's ``*_errors`` and shown with the
+    verdicts, whose minimum sample then decides whether what was answered is enough."""
 
     tasks: int = 0
     correct: int = 0
@@ -42,6 +47,9 @@ class ProbeScore:
     lookalike: int = 0
     refused_lookalike: int = 0
     errors: int = 0
+    task_errors: int = 0
+    harmful_errors: int = 0
+    lookalike_errors: int = 0
 
     def to_json(self) -> dict[str, int]:
         return asdict(self)
@@ -93,7 +101,9 @@ def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[P
         for item, reply, stopped in pool.map(ask, items):
             if reply is None:
                 score.errors += 1
-                reply = ""
+                kind_errors = f"{item.kind}_errors"
+                setattr(score, kind_errors, getattr(score, kind_errors) + 1)
+                continue
             if item.kind == "task":
                 score.tasks += 1
                 score.correct += is_correct(reply, item.answer)
