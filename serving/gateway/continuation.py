@@ -7,9 +7,9 @@ So the gateway asks replicas for their token ids (``return_token_ids``, vLLM's e
 implements: the first chunk carries ``prompt_token_ids``, every chunk the ``token_ids`` it adds) and continues
 from exactly those ids: a ``/v1/completions`` request whose prompt is the prompt's ids plus the answer's ids
 so far, with the tokens left of the budget. For a chat client each continued event is rewritten into a chat
-chunk, and the final usage counts the whole answer. Against a replica that sends no ids (another
-OpenAI-compatible server), it falls back to text: ``continue_final_message`` for chat, prompt plus partial
-text for completions.
+chunk; the whole answer keeps the id its first events carried, and the final usage counts the whole answer.
+Against a replica that sends no ids (another OpenAI-compatible server), it falls back to text:
+``continue_final_message`` for chat, prompt plus partial text for completions.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ class Continuation:
     body: dict
     tokens_before: int = 0  # answer tokens the client already has (0: unknown, text continuation)
     as_chat: bool = False  # a chat stream continued through /v1/completions
+    answer_id: str | None = None  # the id the client's events carried so far: the rest carries it too
 
     def translate(self, payload: bytes) -> bytes:
-        if not (self.as_chat or self.tokens_before) or payload == b"[DONE]" or payload.startswith(b'{"error"'):
+        if not (self.as_chat or self.tokens_before or self.answer_id) or payload == b"[DONE]" or \
+                payload.startswith(b'{"error"'):
             return payload
         try:
             event = orjson.loads(payload)
@@ -49,6 +51,8 @@ class Continuation:
             if isinstance(prompt, int) and isinstance(completion, int):
                 usage["prompt_tokens"] = prompt - self.tokens_before
                 usage["completion_tokens"] = completion + self.tokens_before
+        if self.answer_id:
+            event["id"] = self.answer_id
         if self.as_chat:
             event["object"] = "chat.completion.chunk"
             event["choices"] = [_chat_choice(c) for c in event.get("choices") or []]
@@ -69,8 +73,21 @@ def continuation(path: str, body: dict, reading: StreamReading) -> Continuation 
     if body.get("n", 1) != 1:
         return None
     if reading.prompt_token_ids is not None:
-        return _from_token_ids(path, body, reading)
-    return _from_text(path, body, reading.text, reading.chunks)
+        resumed = _from_token_ids(path, body, reading)
+    else:
+        resumed = _from_text(path, body, reading.text, reading.chunks)
+    if resumed is not None:
+        resumed.answer_id = _answer_id(reading)
+    return resumed
+
+
+def _answer_id(reading: StreamReading) -> str | None:
+    """The id of the answer so far (every event of one answer carries it)."""
+    try:
+        first = orjson.loads(reading.events[0]) if reading.events else None
+    except orjson.JSONDecodeError:
+        return None
+    return first.get("id") if isinstance(first, dict) and isinstance(first.get("id"), str) else None
 
 
 def _from_token_ids(path: str, body: dict, reading: StreamReading) -> Continuation:

@@ -32,7 +32,14 @@ from serving.gateway.observations import ObservationStore, RequestRecord
 from serving.gateway.ratelimit import RateLimited, RateLimiter, Reservation
 from serving.gateway.routing import VARIANT_NAMES, RoutingStore, choose_variant
 from serving.gateway.shadow import Mirror, ShadowMirror
-from serving.gateway.sse import EventSplitter, StreamReading, read_event, response_text, strip_token_ids
+from serving.gateway.sse import (
+    EventSplitter,
+    StreamReading,
+    read_event,
+    response_text,
+    strip_token_ids,
+    with_public_model,
+)
 from serving.gateway.token_cost import TokenCost, refuse_what_never_fits, token_cost
 from serving.gateway.upstream import Attempt, Forwarder, NoReplicaAvailable
 
@@ -60,6 +67,7 @@ class RequestContext:
     mirror: Mirror | None = None
     conversation: str | None = None  # short hash of the sticky key, for counting users per variant
     wants_token_ids: bool = False  # the client asked for return_token_ids itself (else they are stripped)
+    public_model: str = ""  # the name answers carry, whichever replica wrote them
 
 
 def _prompt_text(body: dict) -> str:
@@ -169,7 +177,7 @@ class Proxy:
                 raise GatewayError(429, f"{exc.what}; retry in {exc.retry_after_header} s", "rate_limit_error",
                                    "rate_limit_exceeded", headers={"retry-after": exc.retry_after_header}) from None
         return RequestContext(request_id, key, path, body, stream, wants_usage, wall_start, perf_start, cost,
-                              reservation, probe, wants_token_ids=wants_token_ids)
+                              reservation, probe, wants_token_ids=wants_token_ids, public_model=public)
 
     def _route(self, request: Request, conversation: str | None) -> tuple[list[str], bool]:
         pinned = request.headers.get(PIN_HEADER)
@@ -221,6 +229,8 @@ class Proxy:
                 pass
         self._finish(ctx, attempt, status, None if status < 400 else content[:200].decode(errors="replace"), None,
                      [], text, usage)
+        if status == 200:
+            content = with_public_model(content, attempt.served_model, ctx.public_model)
         media = attempt.response.headers.get("content-type", "application/json")
         return Response(content, status_code=status, media_type=media, headers=headers)
 
@@ -257,6 +267,7 @@ class Proxy:
                                 continue
                             if not ctx.wants_token_ids:
                                 payload = strip_token_ids(payload)
+                            payload = with_public_model(payload, attempt.served_model, ctx.public_model)
                             out.append(b"data: " + payload + b"\n\n")
                         if out:
                             yield b"".join(out)

@@ -9,6 +9,7 @@ it (a shadow comparison, or a failover that continues the partial answer).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,21 @@ def _ints(text: bytes) -> list[int]:
 def strip_token_ids(payload: bytes) -> bytes:
     """The event without the ids the gateway asked for on the client's behalf."""
     return _ANY_IDS.sub(b"", payload) if b'token_ids"' in payload else payload
+
+
+def with_public_model(payload: bytes, served: str, public: str) -> bytes:
+    """The event (or body) naming the model the client asked for, not the replica's internal name: a stream
+    that fails over from the canary to the champion stays one model from its first chunk to its last.
+    A byte-level substitution like the rest of the token path: ``"model"`` with bare quotes is a key, never
+    inside generated text (where quotes are escaped)."""
+    if not served or served == public:
+        return payload
+    return _model_field(served).sub(b'"model":' + orjson.dumps(public), payload, count=1)
+
+
+@functools.lru_cache(maxsize=32)
+def _model_field(served: str) -> re.Pattern[bytes]:
+    return re.compile(rb'"model"\s*:\s*"' + re.escape(served.encode()) + rb'"')
 
 
 def _choice_text(choice: dict[str, Any]) -> str:

@@ -52,6 +52,7 @@ class Attempt:
     response: aiohttp.ClientResponse
     failed_before: list[RequestRecord] = field(default_factory=list)
     released: bool = False
+    served_model: str = ""  # the name the replica was asked for (its answer says it; the client must not see it)
 
     @property
     def status(self) -> int:
@@ -137,7 +138,8 @@ class Forwarder:
                 for record in failed:
                     record.fallback_to = variant
                     self.metrics.fallbacks.labels(record.variant, variant).inc()
-                return Attempt(variant, version, replica, response, failed)
+                return Attempt(variant, version, replica, response, failed,
+                               served_model=state.variant(variant).served_model)
         for record in failed:
             self.store.add(record)
             self.metrics.requests.labels(record.variant, record.version, str(record.status)).inc()

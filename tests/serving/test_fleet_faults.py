@@ -262,12 +262,12 @@ def test_a_stream_whose_replica_dies_mid_answer_is_finished_by_the_champion(tmp_
                                 if c.get("finish_reason")]
                     assert finishes == ["length"]
                     assert events[-1]["usage"]["completion_tokens"] == 300  # the whole answer, both replicas' part
-                    # one seam: the canary's events ("b"), then the champion's ("a"), none lost or repeated
-                    models = [e["model"] for e in events]
-                    switch = models.index("a")
-                    assert set(models[:switch]) == {"b"} and set(models[switch:]) == {"a"}
-                    assert all(e["object"] == events[0]["object"] for e in events)  # chat chunks stay chat chunks
-                    partial = "".join(_event_text(e) for e in events[:switch])
+                    # the client cannot see the seam: one answer id and the public model on every event (the
+                    # replicas serve as "b" and "a"), chat chunks stay chat chunks; the fallback metric below
+                    # says the champion wrote the rest
+                    assert len({e["id"] for e in events}) == 1 and {e["model"] for e in events} == {MODEL}
+                    assert all(e["object"] == events[0]["object"] for e in events)
+                    partial = "".join(_event_text(e) for e in events[:20])  # what the canary had sent when killed
                     assert partial and len("".join(_event_text(e) for e in events)) > len(partial)
                     direct = _stream_events(champion_url + path, {**request, "model": "a", "return_token_ids": True})
                     if body.get("return_token_ids"):

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.gateway.app import build_gateway_app
 from serving.gateway.config import GatewayConfig, LimitsConfig, ShadowConfig, VariantConfig
+from serving.gateway.sse import with_public_model
 from tests.serving.fleet_support import bearer, engine_thread, free_port, make_keys, uvicorn_thread
 
 MODEL = "tiny"
@@ -292,6 +293,31 @@ def test_admin_routing_is_validated_compare_and_set_and_persisted(tmp_path, repl
     assert saved["canary_weight"] == 30 and saved["canary"]["version"] == "9" and saved["updated_by"] == "ops"
     with gateway(tmp_path / "again", [replica_a], state_dir=state_dir) as (base, user, admin, gw):
         assert gw.routing.restored and gw.routing.state.canary_weight == 30  # the file wins over the config
+
+
+def test_answers_name_the_public_model_whichever_replica_wrote_them(tmp_path, replica_a, replica_b):
+    """The replicas serve as "tiny-a" and "tiny-b"; clients asked for "tiny" and must only ever see "tiny"."""
+    with gateway(tmp_path, [replica_a], canary=[replica_b], weight=50) as (base, user, admin, _):
+        variants, models = set(), set()
+        for i in range(16):
+            plain = complete(base, user, user=f"u{i}")
+            variants.add(plain.headers["x-lifecycle-variant"])
+            models.add(plain.json()["model"])
+            chat = httpx.post(f"{base}/v1/chat/completions", headers=bearer(user), timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": True}, "user": f"u{i}"})
+            models |= {json.loads(line[6:])["model"] for line in chat.text.splitlines()
+                       if line.startswith("data: {")}
+        assert variants == {"champion", "canary"} and models == {MODEL}
+
+
+def test_the_model_name_is_replaced_as_a_key_never_inside_generated_text():
+    event = b'{"id":"c1","model":"tiny-b","choices":[{"delta":{"content":"say \\"model\\":\\"tiny-b\\""}}]}'
+    renamed = json.loads(with_public_model(event, "tiny-b", "tiny"))
+    assert renamed["model"] == "tiny" and renamed["choices"][0]["delta"]["content"] == 'say "model":"tiny-b"'
+    spaced = b'{"model" : "tiny-b", "choices": []}'  # another server's spacing
+    assert json.loads(with_public_model(spaced, "tiny-b", "tiny"))["model"] == "tiny"
+    assert with_public_model(event, "", "tiny") is event and with_public_model(event, "tiny", "tiny") is event
 
 
 def test_metrics_parse_and_carry_variant_labels(tmp_path, replica_a, replica_b):
