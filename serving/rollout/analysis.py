@@ -4,7 +4,8 @@ The candidate is always judged against the champion over the *same* window: in s
 answers to the very requests mirrored to the candidate; in a canary step, a *baseline*: a fresh replica of
 the champion's snapshot, started with the canary and given the same share of the same minutes of traffic
 (never the long-running champion pool, whose age, load and batch sizes differ). Agreement is judged against
-the noise floor (champion mirrored to itself).
+the noise floor (the champion mirrored to its own snapshot on the baseline replica, or on its own replicas
+without one).
 """
 
 from __future__ import annotations

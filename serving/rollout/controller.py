@@ -91,7 +91,7 @@ class Controller:
         self.console.set_tags(spec.candidate_version, {"rollout.run": self.state.mlflow_run_id,
                                                        "rollout.verdict": "–"})
         if spec.start == SHADOW and self.plan.baseline_seconds > 0:
-            self._enter(BASELINE, "rollout started: measuring the noise floor (champion mirrored to itself)")
+            self._enter(BASELINE, "rollout started: measuring the noise floor (champion mirrored to its own snapshot)")
         elif spec.start == SHADOW and self.plan.shadow_seconds > 0:
             self._enter(SHADOW, "rollout started")
         else:

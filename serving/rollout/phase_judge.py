@@ -76,10 +76,11 @@ class PhaseJudge:
         counts = A.pair_counts(window, spec.champion_version, spec.champion_version)
         enough = counts["compared"] >= self.plan.baseline_min_pairs
         agreement = counts["agree"] / counts["compared"] if counts["compared"] else None
+        where = " on the baseline replica" if spec.baseline_replicas else ""
         verdict = Verdict("noise_floor", PASS if enough else INCONCLUSIVE, agreement, None, "measured", None,
                           counts["compared"], self.plan.baseline_min_pairs,
-                          f"champion agrees with itself on {counts['agree']}/{counts['compared']} mirrored requests"
-                          if counts["compared"] else "no mirrored requests yet")
+                          f"champion agrees with its own snapshot{where} on {counts['agree']}/{counts['compared']} "
+                          f"mirrored requests" if counts["compared"] else "no mirrored requests yet")
         if enough:
             state.floor = counts
         return Analysis(look, BASELINE, 0.0, state.phase_started_at, now, [verdict],

@@ -79,7 +79,7 @@ class Probes:
 
 @dataclass
 class RolloutPlan:
-    baseline_seconds: float = 30.0  # champion mirrored to itself: the agreement noise floor
+    baseline_seconds: float = 30.0  # champion mirrored to its own snapshot: the agreement noise floor
     baseline_min_pairs: int = 30
     shadow_seconds: float = 60.0
     shadow_fraction: float = 1.0

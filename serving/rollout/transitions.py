@@ -37,8 +37,10 @@ def plan_transition(state: RolloutState, plan: RolloutPlan, phase: str, step_ind
             "served_model": spec.champion_served_model} if spec.baseline_replicas else none
     salt = state.id
     # every active phase restates the champion, so the gateway labels its traffic with the right version
-    if phase == BASELINE:
-        return ({"champion": champ, "shadow": champ, "shadow_fraction": plan.shadow_fraction,
+    if phase == BASELINE:  # the noise floor: the champion against its own snapshot on another replica, the
+        # baseline's when there is one (two replicas, as the shadow phase compares), else its own replicas
+        floor = base if spec.baseline_replicas else champ
+        return ({"champion": champ, "shadow": floor, "shadow_fraction": plan.shadow_fraction,
                  "canary": none, "baseline": none, "canary_weight": 0.0, "split_salt": salt}, [])
     if phase == SHADOW:
         return ({"champion": champ, "shadow": cand, "shadow_fraction": plan.shadow_fraction,

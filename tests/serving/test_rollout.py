@@ -8,6 +8,7 @@ port stops answering); everything else is the real path.
 from __future__ import annotations
 
 import importlib.util
+import sqlite3
 
 import pytest
 from mlflow import MlflowClient
@@ -16,6 +17,8 @@ from serving.rollout.controller import Controller
 from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 from tests.browser import chromium_path, headless_page, mlflow_ui_server, page_text, save_screenshot, squash_whitespace
 from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_versions, spec_for
+
+pytestmark = pytest.mark.slow  # ten rollouts with real replicas, gateway and MLflow: four minutes
 
 
 def _aliases(tracking_uri: str) -> dict[str, str]:
@@ -47,6 +50,14 @@ def promoted(tmp_path_factory, tiny_model_dir):
         finally:
             stats = traffic.stop()
         routing = f["gateway"].routing.state
+        # which replicas answered the mirrors of the champion's own version: the noise floor's
+        store = f["gateway"].store
+        store.flush()
+        with sqlite3.connect(store.path) as conn:
+            floor_replicas = {row[0] for row in conn.execute(
+                "SELECT DISTINCT replica FROM requests WHERE variant = 'shadow' AND version = ?",
+                (registry.versions["a"],))}
+        assert floor_replicas == {f["baseline_url"]}  # two replicas compared, as in the shadow phase
     return registry, state, stats, routing
 
 
