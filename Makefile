@@ -35,7 +35,7 @@ run: venv
 	$(BIN)/lifecycle run $(RECIPE)
 
 test: venv
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -29,14 +29,7 @@ torch.set_num_threads(1)  # the tests share two cores with each other's servers:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` run only where torch sees a CUDA device: CPU CI reports them skipped, with why.
-
-    Modules with ``slow`` tests come first. `make test` hands whole modules to its workers in collection
-    order (``--no-loadscope-reorder``: xdist's own order puts the modules with the most tests first, which put
-    the six-minute end-to-end modules, one or two tests each, last, and one worker idled while the other ran
-    them); started first, they finish while the other worker works through the many short modules."""
-    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)  # stable: order kept within
+    """Tests marked ``cuda`` run only where torch sees a CUDA device: CPU CI reports them skipped, with why."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

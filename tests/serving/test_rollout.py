@@ -18,8 +18,6 @@ from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 from tests.browser import chromium_path, headless_page, mlflow_ui_server, page_text, save_screenshot, squash_whitespace
 from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_versions, spec_for
 
-pytestmark = pytest.mark.slow  # ten rollouts with real replicas, gateway and MLflow: four minutes
-
 
 def _aliases(tracking_uri: str) -> dict[str, str]:
     """The aliases set on the model; only MLflow's "no such alias" answer reads as unset, anything else fails."""
