@@ -101,14 +101,21 @@ def _variant(window: dict, name: str, version: str) -> dict[str, Any]:
             "ttft_ms": [], "itl_ms": [], "e2e_ms": [], "ms_per_token": []}
 
 
-def pair_counts(window: dict, primary_version: str, shadow_version: str) -> dict[str, int]:
+def _pair_row(window: dict, primary_version: str, shadow_version: str) -> dict[str, Any] | None:
+    """The window's pairs row for champion ``primary_version`` mirrored to ``shadow_version``."""
     for row in window.get("pairs", []):
         if str(row["primary_version"]) == str(primary_version) and str(row["shadow_version"]) == str(shadow_version):
-            compared = int(row["compared"] or 0)
-            return {"pairs": int(row["pairs"] or 0), "compared": compared, "agree": int(row["agree"] or 0),
-                    "exact": int(row["exact_match"] or 0), "refusal_flips": int(row["refusal_flips"] or 0),
-                    "shadow_errors": int(row["shadow_errors"] or 0)}
-    return {"pairs": 0, "compared": 0, "agree": 0, "exact": 0, "refusal_flips": 0, "shadow_errors": 0}
+            return row
+    return None
+
+
+def pair_counts(window: dict, primary_version: str, shadow_version: str) -> dict[str, int]:
+    row = _pair_row(window, primary_version, shadow_version)
+    if row is None:
+        return {"pairs": 0, "compared": 0, "agree": 0, "exact": 0, "refusal_flips": 0, "shadow_errors": 0}
+    return {"pairs": int(row["pairs"] or 0), "compared": int(row["compared"] or 0), "agree": int(row["agree"] or 0),
+            "exact": int(row["exact_match"] or 0), "refusal_flips": int(row["refusal_flips"] or 0),
+            "shadow_errors": int(row["shadow_errors"] or 0)}
 
 
 def systems_verdicts(window: dict, candidate: tuple[str, str], champion: tuple[str, str], gates: Gates,
@@ -149,10 +156,8 @@ def systems_verdicts(window: dict, candidate: tuple[str, str], champion: tuple[s
 
 def paired_ms_per_token(window: dict, primary_version: str, shadow_version: str) -> list[list[float]]:
     """[champion, shadow] ms per output token for each mirrored request both answered."""
-    for row in window.get("pairs", []):
-        if str(row["primary_version"]) == str(primary_version) and str(row["shadow_version"]) == str(shadow_version):
-            return list(row.get("ms_per_token") or [])
-    return []
+    row = _pair_row(window, primary_version, shadow_version)
+    return list(row.get("ms_per_token") or []) if row is not None else []
 
 
 def traffic_rows(window: dict) -> list[dict[str, Any]]:
