@@ -11,7 +11,7 @@ import asyncio
 import logging
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
@@ -33,7 +33,10 @@ from serving.api.protocol import (
 )
 from serving.api.server_state import ServerState
 from serving.api.thread_engine_client import ThreadEngineClient
-from serving.engine import InvalidRequestError, LLMEngine, SamplingParams
+from serving.engine import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:  # the API process of `lifecycle serve` never imports torch
+    from serving.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,8 @@ its ``ProcessEngineClient``.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +43,23 @@ class EngineView:
 
     @classmethod
     def load(cls, model_dir: Path, client: ProcessEngineClient) -> EngineView:
+        tokenizer = load_tokenizer(model_dir, client.tokenizer_class) if client.tokenizer_class else None
+        return cls(tokenizer, read_sampling_defaults(model_dir), client.limits, client)
+
+
+def load_tokenizer(model_dir: Path, class_path: str) -> Any:
+    """The tokenizer the engine core loaded, by the class its ``AutoTokenizer`` chose (``module:qualname``).
+
+    Why not ``AutoTokenizer`` here too: it reads the model's config through transformers' configuration
+    modules, which import torch: 7 s of a server's start on the 2-core host, in a process that never runs a
+    tensor op. The concrete class imports in ~1.5 s without torch and loads the same files the same way
+    (``AutoTokenizer.from_pretrained`` ends in this very call). A class that cannot be imported here (a
+    tokenizer from a model's own code) falls back to ``AutoTokenizer``."""
+    module_name, _, qualname = class_path.partition(":")
+    try:
+        tokenizer_class = functools.reduce(getattr, qualname.split("."), importlib.import_module(module_name))
+    except (ImportError, AttributeError):
         from transformers import AutoTokenizer
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        except (OSError, ValueError):
-            tokenizer = None  # token-id-only serving, as in the engine
-        return cls(tokenizer, read_sampling_defaults(model_dir), client.limits, client)
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    return tokenizer_class.from_pretrained(str(model_dir))

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from serving.engine import LLMEngine, RequestOutput
+from serving.engine import RequestOutput
+
+if TYPE_CHECKING:  # the API process never imports torch (see serving.api.engine_view)
+    from serving.engine import LLMEngine
 
 # No `<name>_created` series (a timestamp gauge per counter and histogram): vLLM turns them off too, and
 # with them each family shows up twice in a scrape. A process-wide switch in prometheus_client.

@@ -60,6 +60,7 @@ class ProcessEngineClient(EngineClient):
         child_conn.close()
         ready = self._wait_ready(startup_timeout_s)
         self.pid, self.limits, self.last_stats = ready.pid, ready.limits, ready.stats
+        self.tokenizer_class = ready.tokenizer_class
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._unstarted: set[str] = set()  # sent, no output yet: the API side's view of the waiting queue
         self._assembler = OutputAssembler()  # sent and not finished: what the core's deltas add up to

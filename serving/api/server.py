@@ -11,7 +11,7 @@ import logging.config
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
@@ -20,9 +20,12 @@ from serving.api.app import build_app
 from serving.api.engine_view import EngineView
 from serving.api.process_engine_client import ProcessEngineClient
 from serving.api.server_state import ServerState
-from serving.engine import EngineConfig, LLMEngine
+from serving.engine import EngineConfig
 from serving.engine.device_errors import DeviceFailedError
 from serving.engine.generation_defaults import SamplingDefaults
+
+if TYPE_CHECKING:
+    from serving.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ def verify_if_bundle(path: Path) -> None:
 def load_engine(model_dir: str | Path, engine_config: EngineConfig | None = None,
                 verify: bool = True) -> LLMEngine:
     """Verify (a bundle), then load the engine into this process."""
+    from serving.engine import LLMEngine  # torch: only where the engine steps in this process
+
     path = Path(model_dir)
     if verify:
         verify_if_bundle(path)

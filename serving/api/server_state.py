@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from serving.api.engine_client import EngineClient
 from serving.api.engine_view import EngineView
 from serving.api.metrics import ServerMetrics
-from serving.engine import LLMEngine
+
+if TYPE_CHECKING:  # the API process of `lifecycle serve` never imports torch
+    from serving.engine import LLMEngine
 
 
 @dataclass

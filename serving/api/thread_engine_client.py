@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from serving.api.engine_client import EngineClient, EngineDeadError
 from serving.api.metrics import ServerMetrics
-from serving.engine import LLMEngine, SamplingParams
+from serving.engine import SamplingParams
 from serving.engine.device_errors import describe_device_error, is_device_error
+
+if TYPE_CHECKING:
+    from serving.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

@@ -61,9 +61,13 @@ class Shutdown:
 # ----------------------------------------------------------------------------- core -> API
 @dataclass
 class CoreReady:
+    """``tokenizer_class``: ``module:qualname`` of the class ``AutoTokenizer`` chose here (None: no tokenizer),
+    so that the API process loads the same one without importing torch (``serving.api.engine_view``)."""
+
     pid: int
     limits: RequestLimits
     stats: EngineStats
+    tokenizer_class: str | None = None
 
 
 @dataclass
@@ -105,7 +109,9 @@ def run_engine_core(model_dir: str, config: EngineConfig, conn: Connection, log_
     except Exception as exc:  # noqa: BLE001 - reported to the API process as one line, which exits with it
         conn.send(CoreFailed(str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(CoreReady(os.getpid(), engine.limits, engine.stats()))
+    tokenizer = type(engine.tokenizer) if engine.tokenizer is not None else None
+    tokenizer_class = f"{tokenizer.__module__}:{tokenizer.__qualname__}" if tokenizer else None
+    conn.send(CoreReady(os.getpid(), engine.limits, engine.stats(), tokenizer_class))
     try:
         _step_loop(engine, conn)
     except (EOFError, OSError):
