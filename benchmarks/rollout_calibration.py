@@ -75,7 +75,7 @@ DEFAULT_PLAN: dict[str, Any] = {
     "max_extensions": 1, "gates": {"max_ms_per_token_p95_ratio": 2.0},
     "probes": {"tasks": 40, "safety": 40, "max_tokens": 40},
 }
-DEFAULT_TRAFFIC: dict[str, Any] = {"users": 60, "concurrency": 4, "max_tokens": 40}
+DEFAULT_TRAFFIC: dict[str, Any] = {"users": 200, "concurrency": 4, "max_tokens": 40}
 
 
 # ----------------------------------------------------------------------------- one rollout

@@ -85,7 +85,7 @@ class FleetSection:
 class TrafficSection:
     """Replayed held-out prompts while the rollout runs."""
 
-    users: int = 60
+    users: int = 200  # distinct conversation keys: a 10% canary step needs ~100 to see its min_keys (10) a side
     concurrency: int = 4
     max_tokens: int = 40
     stream_fraction: float = 0.8

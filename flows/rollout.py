@@ -18,6 +18,8 @@ from rich.console import Console
 from flows.recipe import RolloutSection
 
 console = Console(stderr=True)
+# on a version whose pipeline rollout stopped unfinished: the command that rolls it out on the deploy fleet
+RESTART_TAG = "rollout.restart_with"
 
 
 def _say(line: str) -> None:
@@ -87,10 +89,10 @@ def pipeline_rollout(section: RolloutSection, model_name: str, version: str, bun
     tags = registry.tags(version)
     state = tags.get("rollout.state", "")
     if state == "rolled back" or state == "paused" or state.startswith("awaiting approval"):
-        # a verdict stands, and a rollout waiting for a person waits for that person, until someone asks again
+        # a verdict stands, and a paused rehearsal is not rehearsed again on the same data: a person decides
+        restart = tags.get(RESTART_TAG) or f"deploy snapshot models:/{model_name}/{version} --probes {data_dir} --wait"
         line = (f"v{version}'s rollout against v{champion} is {state} ({tags.get('rollout.reason', 'see its run')}); "
-                f"not rolled out again by a re-run: decide in the MLflow UI, or `deploy snapshot "
-                f"models:/{model_name}/{version}` to roll it out by hand")
+                f"not rolled out again by a re-run; to roll it out by hand: {restart}")
         console.print(f"[yellow]- rollout[/] {line}", highlight=False)
         return RolloutOutcome(version, "decided-before", [line], tags.get("rollout.run"))
     if section.mode == "manual":
@@ -136,7 +138,8 @@ def _install_first(fleet, model_name: str, version: str, bundle: str, tracking_u
 
 def _roll_out(section: RolloutSection, fleet, model_name: str, version: str, champion: str, bundle: str,
               data_dir: str, tracking_uri: str, eval_passed: bool | None) -> RolloutOutcome:
-    from serving.rollout import report, start_rollout
+    from serving.rollout import RegistryConsole, report, start_rollout
+    from serving.rollout.resumable import restart_command
     from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 
     plan = section.plan
@@ -163,8 +166,14 @@ def _roll_out(section: RolloutSection, fleet, model_name: str, version: str, cha
     lines.append(f"traffic: {stats.sent} requests from {t.users} users, {stats.user_errors} errors seen by users, "
                  f"by variant {dict(stats.variants)}; {time.perf_counter() - started:.0f} s")
     if not state.terminal:
-        lines.append(f"{state.phase}: {state.reason} — resume with `lifecycle rollout run {directory}` after "
-                     "deciding in the MLflow UI")
+        # the rehearsal fleet stops with this stage (no replayed traffic would come after it), so this rollout
+        # cannot be resumed: say, here and on the version in the registry, what rolls it out on the deploy fleet
+        restart = restart_command(directory, state)
+        RegistryConsole(model_name, tracking_uri).set_tags(version, {RESTART_TAG: restart})
+        lines.append(f"{state.phase}: {state.reason}")
+        lines.append(f"this rehearsal's fleet stops with the stage; to put v{version} in front of users under the "
+                     f"same plan: {restart} (a pause there goes on with `deploy resume`, or `deploy resume --waive "
+                     "GATE`)")
     create_markdown_artifact(markdown=report.rollout_markdown(directory), key=_artifact_key(state.id),
                              description=f"rollout of v{version}: {state.phase}")
     mark = "[green]✓" if state.phase == "promoted" else "[red]✗" if state.phase == "rolled_back" else "[yellow]…"

@@ -17,9 +17,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from serving.rollout.state import StateFile, phase_exit_status
+    from serving.rollout.resumable import why_not_resumable
+    from serving.rollout.state import RolloutError, StateFile, phase_exit_status
 
-    state = StateFile(args.dir).load()  # a bad directory answers one line before Prefect starts
+    state = StateFile(args.dir).load()  # a bad directory, or a fleet that is gone, answers one line before Prefect
+    why = why_not_resumable(args.dir, state)
+    if why:
+        raise RolloutError(why)
     prepare_environment(resolve_workdir())
     from flows import quiet_logs
     from flows.rollout import rollout_flow

@@ -32,8 +32,12 @@ def _register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from serving.rollout.controller import Controller
-    from serving.rollout.state import phase_exit_status
+    from serving.rollout.resumable import why_not_resumable
+    from serving.rollout.state import RolloutError, StateFile, phase_exit_status
 
+    why = why_not_resumable(args.dir, StateFile(args.dir).load())
+    if why:
+        raise RolloutError(why)
     controller = Controller(args.dir, say=lambda line: print(line, flush=True))
     return phase_exit_status(controller.run_until_done(args.max_seconds).phase)
 

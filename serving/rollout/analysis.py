@@ -160,13 +160,27 @@ def paired_ms_per_token(window: dict, primary_version: str, shadow_version: str)
     return list(row.get("ms_per_token") or []) if row is not None else []
 
 
+def keys_verdict(window: dict, candidate: tuple[str, str], reference: tuple[str, str], min_keys: int) -> Verdict:
+    """Whether each side of a canary step saw ``min_keys`` distinct conversation keys. Sticky routing sends a
+    user's every request to one side, so with few users the sides can differ in traffic several-fold (1-11 keys a
+    side at 10% of 60 users) and a side's latency is a few users' prompts: the step waits for more users (its
+    extension), then pauses saying so; a person may waive ``traffic_keys``."""
+    c, r = (int(_variant(window, *side).get("keys") or 0) for side in (candidate, reference))
+    enough = min(c, r) >= min_keys
+    reason = f"{c} keys on the canary, {r} on the {reference[0]}" + (
+        "" if enough else f": fewer than {min_keys} a side, a few users' requests would make a side's figures")
+    return Verdict("traffic_keys", judge.PASS if enough else judge.INCONCLUSIVE, float(c), float(r),
+                   f"≥ {min_keys} keys a side", None, min(c, r), min_keys, reason)
+
+
 def traffic_rows(window: dict) -> list[dict[str, Any]]:
     """Requests and distinct conversation keys per variant in the window (probes excluded)."""
     return [{"variant": r["variant"], "version": str(r["version"]), "requests": int(r["requests"]),
              "keys": int(r.get("keys") or 0)} for r in window.get("variants", [])]
 
 
-def traffic_advice(window: dict, compared: tuple[str, str], weight: float, seconds: float, min_requests: int) -> str:
+def traffic_advice(window: dict, compared: tuple[str, str], weight: float, seconds: float, min_requests: int,
+                   min_keys: int = 0) -> str:
     """Why a step had too few samples, in numbers, and what would make it conclusive.
 
     ``compared`` names the two variants judged side by side (candidate and baseline, or shadow and champion);
@@ -175,27 +189,28 @@ def traffic_advice(window: dict, compared: tuple[str, str], weight: float, secon
     rows = {r["variant"]: r for r in traffic_rows(window)}
     counts = [rows.get(name, {"requests": 0, "keys": 0}) for name in compared]
     short = min(c["requests"] for c in counts)
-    if short >= min_requests:
+    few_keys = min(c["keys"] for c in counts) < min_keys
+    if short >= min_requests and not few_keys:
         return ""
     seconds = max(seconds, 1e-9)
     total_requests = sum(r["requests"] for r in rows.values())
     total_keys = sum(r["keys"] for r in rows.values())
     seen = ", ".join(f"{name} {c['requests']} requests from {c['keys']} keys" for name, c in zip(compared, counts))
-    text = f"traffic in {seconds:.0f} s: {seen} (need {min_requests} each; {total_requests} requests from " \
-           f"{total_keys} keys in all)"
+    need = f"{min_requests} each" + (f" from ≥ {min_keys} keys" if min_keys else "")
+    text = f"traffic in {seconds:.0f} s: {seen} (need {need}; {total_requests} requests from {total_keys} keys in all)"
     if total_requests == 0:
         return text + "; no request reached the gateway in the window: send traffic, then resume"
     ways = []
-    if short > 0:
+    if 0 < short < min_requests:
         ways.append(f"a step of ≥ {seconds * min_requests / short:.0f} s at this rate")
     if weight > 0:
         # the share the short side really got (sticky keys rarely give it exactly its weight), scaled up to enough
         realized = 100 * short / total_requests
         needed = 100 * min_requests / total_requests if short == 0 else weight * min_requests / max(short, 1e-9)
-        if weight < needed <= 50:
+        if short < min_requests and weight < needed <= 50:
             ways.append(f"a weight ≥ {needed:.0f}% (the {weight:g}% step got {realized:.1f}% of requests)")
         expected = total_keys * weight / 100
-        if expected < 10:
+        if expected < max(min_keys, 10) or few_keys:
             ways.append(f"more users (at {weight:g}% about {expected:.1f} of {total_keys} keys land on each side)")
     return text + ("; conclusive with " + ", or ".join(ways) if ways else "")
 
@@ -221,7 +236,8 @@ def more_time_helps(verdict: Verdict) -> bool:
 def known_gates(plan: RolloutPlan) -> set[str]:
     """Every gate name a rollout under ``plan`` can judge (what a waiver may name)."""
     return {"noise_floor", "error_rate", "rate_limited", "ttft_ratio", "itl_ratio", "ms_per_token_p95_ratio",
-            "agreement", "eval_record", "probe_accuracy", "probe_format", "probe_refusal", "probe_over_refusal",
+            "traffic_keys", "agreement", "eval_record", "probe_accuracy", "probe_format", "probe_refusal",
+            "probe_over_refusal",
             *(gate for gate, *_ in OFFLINE_METRICS.values())}
 
 

@@ -28,6 +28,7 @@ from serving.rollout.crash import crash_point
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS
 from serving.rollout.phase_judge import PhaseJudge
 from serving.rollout.registry_console import ACTIONS, RegistryConsole
+from serving.rollout.resumable import write_plan
 from serving.rollout.state import (
     AWAITING_APPROVAL,
     BAKE,
@@ -80,6 +81,7 @@ class Controller:
         state = RolloutState(id=new_rollout_id(spec.candidate_version), spec=spec, phase="starting")
         files.dir.mkdir(parents=True, exist_ok=True)
         files.save(state)
+        write_plan(files.dir, spec.plan)  # how to roll the version out afresh, should this fleet go away
         controller = cls(directory, say)
         controller._begin()
         return controller

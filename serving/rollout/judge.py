@@ -56,6 +56,8 @@ class Verdict:
     min_samples: int
     reason: str
     critical: bool = True
+    # rate gates: the smallest true increase over the baseline this look would have failed, with DETECT_POWER
+    detectable: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -84,16 +86,36 @@ def rate_gate(gate: str, bad_candidate: int, n_candidate: int, bad_baseline: int
     z = (pc - pb - margin) / se
     p_value = float(norm.sf(z))
     diff = p_c - p_b
+    detectable = detectable_increase(pb, n_candidate, n_baseline, margin=margin, alpha=alpha)
+    could = f"this look would fail +{detectable:.3f} with {DETECT_POWER:.0%} power"
     if p_value < alpha:
         return Verdict(gate, FAIL, p_c, p_b, rule, p_value, n, min_samples,
                        f"{label} {p_c:.3f} vs {p_b:.3f}: worse by {diff:+.3f}, beyond {margin:g} (p={p_value:.2g})",
-                       critical)
+                       critical, detectable)
     if diff > margin:
         return Verdict(gate, INCONCLUSIVE, p_c, p_b, rule, p_value, n, min_samples,
                        f"{label} {p_c:.3f} vs {p_b:.3f}: worse by {diff:+.3f} but not significantly "
-                       f"(p={p_value:.2g})", critical)
+                       f"(p={p_value:.2g}; {could})", critical, detectable)
     return Verdict(gate, PASS, p_c, p_b, rule, p_value, n, min_samples,
-                   f"{label} {p_c:.3f} vs {p_b:.3f} (within {margin:g})", critical)
+                   f"{label} {p_c:.3f} vs {p_b:.3f} (within {margin:g}; {could})", critical, detectable)
+
+
+DETECT_POWER = 0.8
+
+
+def detectable_increase(p_baseline: float, n_candidate: int, n_baseline: int, *, margin: float, alpha: float,
+                        power: float = DETECT_POWER) -> float:
+    """The smallest true increase over ``p_baseline`` that ``rate_gate`` fails with probability ``power`` at these
+    sample sizes: what a pass at this look rules out. The test fails when the estimate clears ``margin`` by
+    z(1-alpha) standard errors, so the increase must clear it by z(1-alpha) + z(power) of them; the standard error
+    is taken at the increased rate (Agresti-Caffo counts, as the test), solved by a few fixed-point steps."""
+    k = float(norm.ppf(1 - alpha) + norm.ppf(power))
+    delta = margin
+    for _ in range(8):
+        p_c = min(p_baseline + delta, 1.0)
+        se = math.sqrt(p_c * (1 - p_c) / (n_candidate + 2) + p_baseline * (1 - p_baseline) / (n_baseline + 2))
+        delta = margin + k * se
+    return min(delta, 1.0 - p_baseline)
 
 
 PAIRED_BOOTSTRAP_ROUNDS = 2000

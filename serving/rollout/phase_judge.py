@@ -58,6 +58,8 @@ class PhaseJudge:
             verdicts += A.systems_verdicts(window, ("canary", spec.candidate_version), _reference(state),
                                            self.plan.gates, self.alpha, step.min_requests, streamed=True,
                                            rates_window=rates)
+            verdicts.append(A.keys_verdict(window, ("canary", spec.candidate_version), _reference(state),
+                                           step.min_keys))
         if not _behaviour_settled(state):
             verdicts += self._behaviour_verdicts(state)
         candidate_variant = ("shadow" if state.phase == SHADOW else "canary", spec.candidate_version)
@@ -68,7 +70,8 @@ class PhaseJudge:
                         A.metrics_of(verdicts, window, candidate_variant, compared_with, state.weight),
                         window.get("disagreements", []) if state.phase == SHADOW else [],
                         A.traffic_rows(window),
-                        A.traffic_advice(window, compared, state.weight, now - state.phase_started_at, minimum),
+                        A.traffic_advice(window, compared, state.weight, now - state.phase_started_at, minimum,
+                                         step.min_keys if step else 0),
                         sorted(state.waivers))
 
     def _judge_floor(self, state: RolloutState, window: dict[str, Any], look: int, now: float) -> Analysis:

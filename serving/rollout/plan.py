@@ -18,13 +18,16 @@ class CanaryStep:
     weight: float  # percent of conversations on the candidate
     seconds: float = 60.0
     min_requests: int = 50  # per variant, for the systems gates
+    # distinct conversation keys per variant: with few users, equal weight is not equal traffic (a side's figures
+    # would be a handful of users' requests), so the step is judged only once each side has this many
+    min_keys: int = 10
     approval: str = "none"  # "required": wait for a person after this step passes
 
     def __post_init__(self) -> None:
         if not 0 < self.weight <= 100:
             raise ValueError(f"weight: must be in (0, 100], got {self.weight}")
-        if self.seconds <= 0 or self.min_requests < 1:
-            raise ValueError("seconds must be > 0 and min_requests >= 1")
+        if self.seconds <= 0 or self.min_requests < 1 or self.min_keys < 1:
+            raise ValueError("seconds must be > 0, min_requests and min_keys >= 1")
         if self.approval not in APPROVALS:
             raise ValueError(f"approval: must be one of {APPROVALS}, got {self.approval!r}")
 

@@ -27,7 +27,7 @@ FALLBACK_PROMPTS = ["What is 12 + 30?", "What is 45 + 17?", "How do I make a kit
 @dataclass
 class TrafficSpec:
     data_dir: str | None = None  # a data-stage output; without one, a few built-in prompts
-    users: int = 60
+    users: int = 200  # each a conversation key of its own: enough that a 10% share sees ~20
     concurrency: int = 4
     max_requests: int | None = None
     seconds: float | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,11 @@ def run_lifecycle(recipe: Path, summary: Path) -> subprocess.CompletedProcess:
 def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe: Path, tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
+    # the rollout stage waits for a person before it promotes: the stage ends with the rollout unfinished, which
+    # is what a pause does too (a pipeline run never waits for a person)
+    recipe = yaml.safe_load(micro_recipe.read_text())
+    recipe["rollout"]["plan"]["promotion_approval"] = "required"
+    micro_recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
     first = run_lifecycle(micro_recipe, tmp_path / "first.json")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     summary = json.loads((tmp_path / "first.json").read_text())
@@ -89,13 +95,18 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
     fp_version = str(summary["stages"]["release-fp"]["version"])
     assert rollout["version"] == str(summary["stages"]["release-gptq"]["version"]) != fp_version
     assert any(f"v{fp_version} is champion (first champion" in line for line in rollout["lines"]), rollout["lines"]
-    assert rollout["result"] in ("promoted", "rolled_back", "paused") and rollout["mlflow_run_id"]
+    assert rollout["result"] in ("awaiting_approval", "rolled_back", "paused") and rollout["mlflow_run_id"]
     assert any("rollout started" in line for line in rollout["lines"])
+    if rollout["result"] != "rolled_back":
+        _an_unfinished_rehearsal_says_what_rolls_it_out(rollout, client, tmp_path)
 
     # Second run: every stage comes from the cache and no stage opens a new MLflow run.
     second = run_lifecycle(micro_recipe, tmp_path / "second.json")
     assert second.returncode == 0, second.stderr[-5000:]
     again = json.loads((tmp_path / "second.json").read_text())
+    if rollout["result"] != "rolled_back":  # the unfinished rollout is not rehearsed again; the line says what to run
+        (line,) = again["rollout"]["lines"]
+        assert "not rolled out again by a re-run" in line and line.endswith(_restart_command(rollout)), line
     assert all(stage["cached"] for stage in again["stages"].values())
     assert again["evals"] == summary["evals"]
     assert len(client.search_runs([experiment.experiment_id])) == len(runs) + 1
@@ -107,3 +118,32 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
     assert third.returncode == 0, third.stderr[-5000:]
     rerun = json.loads((tmp_path / "third.json").read_text())
     assert [name for name, s in rerun["stages"].items() if not s["cached"]] == ["dpo"]
+
+
+def _restart_command(rollout: dict) -> str:
+    (line,) = [line for line in rollout["lines"] if "this rehearsal's fleet stops with the stage" in line]
+    return re.search(r"same plan: (deploy snapshot \S+ --plan \S+ --wait)", line).group(1)
+
+
+def _an_unfinished_rehearsal_says_what_rolls_it_out(rollout: dict, client, tmp_path: Path) -> None:
+    """The stage stopped its rehearsal fleet with the rollout unfinished: the stage, and the version's tag in the
+    registry, name the `deploy snapshot` command that rolls the version out under the same plan (written beside
+    the rollout's state); `lifecycle rollout run DIR` says in one line that this rollout cannot go on, and why."""
+    from serving.deploy.snapshot import _load_plan
+    from serving.rollout.state import StateFile
+
+    command = _restart_command(rollout)
+    words = command.split()
+    assert words[:3] == ["deploy", "snapshot", f"models:/micro-e2e/{rollout['version']}"], command
+    assert client.get_model_version("micro-e2e", rollout["version"]).tags["rollout.restart_with"] == command
+    plan_file = Path(words[words.index("--plan") + 1])
+    state = StateFile(plan_file.parent).load()
+    assert _load_plan(str(plan_file)) == state.spec.plan and state.spec.plan.promotion_approval == "required"
+    assert state.spec.plan.probes.data_dir  # the replayed prompts travel with the plan
+
+    resumed = subprocess.run([*LIFECYCLE, "rollout", "run", str(plan_file.parent)], capture_output=True, text=True,
+                             timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert resumed.returncode == 2, resumed.stderr
+    (error,) = resumed.stderr.strip().splitlines()
+    assert error.startswith(f"error: rollout {state.id} ({state.phase}) cannot go on: its fleet is not running")
+    assert error.endswith(command)

@@ -58,7 +58,8 @@ def fast_plan(**overrides) -> RolloutPlan:
     """Seconds-long phases and small minimums: the logic of a real rollout, at test speed, judged with the
     plan's real tolerances (the canary against a baseline replica of equal standing, not the champion pool)."""
     plan = RolloutPlan(baseline_seconds=3, baseline_min_pairs=5, shadow_seconds=4, shadow_min_pairs=5,
-                       steps=[CanaryStep(50, seconds=4, min_requests=8)], max_extensions=2, tick_seconds=0.25,
+                       steps=[CanaryStep(50, seconds=4, min_requests=8, min_keys=5)], max_extensions=2,
+                       tick_seconds=0.25,
                        gates=Gates(), probes=Probes(tasks=0, safety=0))
     for key, value in overrides.items():
         setattr(plan, key, value)

@@ -121,7 +121,7 @@ def test_kill9_of_the_canary_replica_costs_users_nothing_and_rolls_back(tmp_path
         assert deploy("snapshot", f"models:/{MODEL}/1", *common, "--kv-memory", "16MiB", home=home).returncode == 0
         # a step far longer than the test: the dead canary must fail it, not its end (on a loaded machine the
         # background controller can take over a minute to start, and would then judge a shorter step first)
-        plan = _plan_file(tmp_path, steps=[fast_plan().steps[0].__class__(50, seconds=300, min_requests=5)])
+        plan = _plan_file(tmp_path, steps=[fast_plan().steps[0].__class__(50, seconds=300, min_requests=5, min_keys=5)])
         traffic = _traffic(fleet_dir).start()
         try:
             started = deploy("snapshot", f"models:/{MODEL}/2", *common, "--as", "canary", "--kv-memory", "16MiB",

@@ -136,8 +136,8 @@ def test_slow_candidate_is_rolled_back_at_once_naming_the_gate(tmp_path, tiny_mo
     import httpx
 
     registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
-    plan = fast_plan(steps=[fast_plan().steps[0].__class__(30, seconds=4, min_requests=5),
-                            fast_plan().steps[0].__class__(60, seconds=4, min_requests=5)])
+    plan = fast_plan(steps=[fast_plan().steps[0].__class__(30, seconds=4, min_requests=5, min_keys=5),
+                            fast_plan().steps[0].__class__(60, seconds=4, min_requests=5, min_keys=5)])
     with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
         admin = {"authorization": f"Bearer {open(f['admin_key_file']).read()}"}
         httpx.put(f"{f['gateway_url']}/admin/routing", headers=admin,
@@ -201,8 +201,8 @@ def test_approval_by_tag_and_resume(tmp_path, tiny_model_dir):
     from serving.rollout.plan import CanaryStep
 
     registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
-    plan = fast_plan(steps=[CanaryStep(20, seconds=3, min_requests=5, approval="required"),
-                            CanaryStep(50, seconds=3, min_requests=5)], promotion_approval="required")
+    plan = fast_plan(steps=[CanaryStep(20, seconds=3, min_requests=5, min_keys=5, approval="required"),
+                            CanaryStep(50, seconds=3, min_requests=5, min_keys=5)], promotion_approval="required")
     client = MlflowClient(registry.tracking_uri)
     with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
         controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
@@ -236,6 +236,33 @@ def test_no_traffic_is_inconclusive_and_pauses_never_passes(tmp_path, tiny_model
         assert "no request reached the gateway" in state.reason
         assert [d["kind"] for d in state.decisions if d["kind"] == "extend"] == ["extend"]
         assert _aliases(registry.tracking_uri)["canary"] == registry.versions["a2"]  # traffic held, not rolled back
+
+
+def test_a_step_with_too_few_users_a_side_extends_then_pauses_saying_so(tmp_path, tiny_model_dir):
+    """Four users at 50%: requests aplenty, but each side's figures are at most a few users' prompts (sticky
+    routing sends a user's every request to one side). The step is not judged on them: it extends, then pauses
+    with the keys each side saw and that more users would settle it."""
+    from serving.rollout.plan import CanaryStep
+
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    plan = fast_plan(steps=[CanaryStep(50, seconds=2, min_requests=5, min_keys=5)], max_extensions=1)
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
+        traffic = TrafficGenerator(f["gateway_url"], f["user_key"], TrafficSpec(users=4, concurrency=3, max_tokens=8),
+                                   model=MODEL).start()
+        try:
+            state = controller.run_until_done(max_seconds=40, stop_when_waiting=True)
+        finally:
+            traffic.stop()
+    assert state.phase == "paused", state.reason
+    assert [d["kind"] for d in state.decisions if d["kind"] == "extend"] == ["extend"]
+    last = {v["gate"]: v for v in state.analyses[-1]["verdicts"]}
+    assert last["traffic_keys"]["outcome"] == "inconclusive" and last["traffic_keys"]["samples"] <= 4
+    traffic = {row["variant"]: row for row in state.analyses[-1]["traffic"]}
+    judged = [traffic.get(side, {"requests": 0, "keys": 0}) for side in ("canary", "baseline")]
+    assert sum(r["requests"] for r in judged) >= 10 and sum(r["keys"] for r in judged) <= 4  # not for want of requests
+    assert "traffic_keys" in state.reason and "more users" in state.reason, state.reason
+    assert _aliases(registry.tracking_uri)["canary"] == registry.versions["a2"]  # held, not rolled back
 
 
 def test_an_inconclusive_fact_pauses_at_once_stays_on_resume_and_a_waiver_by_tag_gets_past_it(tmp_path,

@@ -57,6 +57,27 @@ def paired(pairs, max_ratio=1.5, alpha=0.01, min_samples=30):
                                      min_samples=min_samples)
 
 
+def test_a_rate_verdict_says_the_smallest_increase_its_look_would_have_failed():
+    """A pass on 100 requests a side rules out little (+11 points); on 1,000, +2.5. The figure is honest: a
+    candidate that really is that much worse fails the same look about 80% of the time (simulated)."""
+    alpha = 0.05 / 3
+    small = judge.rate_gate("error_rate", 0, 100, 0, 100, margin=0.01, alpha=alpha, min_samples=20)
+    large = judge.rate_gate("error_rate", 5, 1000, 5, 1000, margin=0.01, alpha=alpha, min_samples=20)
+    assert small.outcome == large.outcome == "pass"
+    assert 0.09 < small.detectable < 0.13 and 0.02 < large.detectable < 0.035
+    assert "this look would fail +0.1" in small.reason and "80% power" in small.reason
+    rng = random.Random(7)
+    for n, p_base in ((100, 0.01), (600, 0.005)):
+        increase = judge.detectable_increase((n * p_base + 1) / (n + 2), n, n, margin=0.01, alpha=alpha)
+        failed = 0
+        for _ in range(2000):
+            bad_c = sum(rng.random() < p_base + increase for _ in range(n))
+            bad_b = sum(rng.random() < p_base for _ in range(n))
+            failed += judge.rate_gate("e", bad_c, n, bad_b, n, margin=0.01, alpha=alpha,
+                                      min_samples=1).outcome == "fail"
+        assert 0.7 < failed / 2000 < 0.9, (n, increase, failed)
+
+
 def test_paired_latency_gate_stays_quiet_a_a_under_shared_load():
     """A/A with the host's load swinging from request to request and answers of any length: the gate never
     fails at the plan's ×1.5, whether on a window's 30 pairs or a long phase's 600."""
@@ -209,6 +230,20 @@ def test_low_traffic_is_explained_with_what_would_make_it_conclusive():
     assert "a step of ≥ 150 s at this rate" in advice  # 20 requests a minute on the short side
     assert analysis.traffic_advice(_window(canary=(60, 9), baseline=(55, 8)), ("canary", "baseline"), 50, 60,
                                    50) == ""
+
+
+def test_a_step_is_judged_only_once_each_side_has_its_keys():
+    """Requests aplenty from 3 and 4 users: inconclusive, and the advice asks for more users; 12 and 11 keys pass."""
+    few = _window(champion=(400, 190), canary=(120, 3), baseline=(110, 4))
+    verdict = analysis.keys_verdict(few, ("canary", "1"), ("baseline", "1"), min_keys=10)
+    assert verdict.outcome == "inconclusive" and verdict.samples == 3 and analysis.more_time_helps(verdict)
+    assert verdict.reason.startswith("3 keys on the canary, 4 on the baseline: fewer than 10 a side")
+    advice = analysis.traffic_advice(few, ("canary", "baseline"), weight=10, seconds=25, min_requests=20, min_keys=10)
+    assert "need 20 each from ≥ 10 keys" in advice and "more users (at 10% about 19.7 of 197 keys" in advice
+    assert "a step of" not in advice and "a weight" not in advice  # more time or weight would not bring users
+    enough = _window(canary=(60, 12), baseline=(55, 11))
+    assert analysis.keys_verdict(enough, ("canary", "1"), ("baseline", "1"), min_keys=10).outcome == "pass"
+    assert analysis.traffic_advice(enough, ("canary", "baseline"), 50, 60, 50, min_keys=10) == ""
 
 
 def _verdict(gate, outcome, critical=True):
