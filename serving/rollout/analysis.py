@@ -16,6 +16,7 @@ from typing import Any
 from artifacts.common.stats import quantile
 from serving.rollout import judge
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS, Verdict
+from serving.rollout.offline import offline_gates
 from serving.rollout.plan import Gates, RolloutPlan
 
 
@@ -237,54 +238,12 @@ def known_gates(plan: RolloutPlan) -> set[str]:
     """Every gate name a rollout under ``plan`` can judge (what a waiver may name)."""
     return {"noise_floor", "error_rate", "rate_limited", "ttft_ratio", "itl_ratio", "ms_per_token_p95_ratio",
             "traffic_keys", "agreement", "eval_record", "probe_accuracy", "probe_format", "probe_refusal",
-            "probe_over_refusal",
-            *(gate for gate, *_ in OFFLINE_METRICS.values())}
+            "probe_over_refusal", *offline_gates()}
 
 
 def is_behaviour_gate(gate: str) -> bool:
     """The gates judged on probes and on the offline eval records (not on the window's traffic)."""
     return gate.startswith(("probe_", "offline_")) or gate == "eval_record"
-
-
-# Offline metric -> (gate, tolerance field of Gates, True when a higher value is better, label of a bad outcome)
-OFFLINE_METRICS = {
-    "task_accuracy": ("offline_accuracy", "max_accuracy_drop", True, "wrong answers"),
-    "refusal_rate": ("offline_refusal", "max_refusal_drop", True, "harmful answered"),
-    "over_refusal_rate": ("offline_over_refusal", "max_over_refusal_increase", False, "benign refused"),
-    "format_adherence": ("offline_format", "max_format_drop", True, "broken format"),
-}
-OFFLINE_MIN_SAMPLES = 20
-
-
-def _counts(record: dict[str, Any] | None) -> dict[str, tuple[float, int]]:
-    """metric -> (value, n) from an eval record's results (records written before they carried results have
-    none: those versions are compared by probes only)."""
-    out = {}
-    for row in (record or {}).get("results") or []:
-        if isinstance(row, dict) and row.get("metric") in OFFLINE_METRICS and int(row.get("n") or 0) > 0:
-            out[row["metric"]] = (float(row["value"]), int(row["n"]))
-    return out
-
-
-def offline_verdicts(candidate: dict[str, Any] | None, champion: dict[str, Any] | None, gates: Gates,
-                     alpha: float) -> list[Verdict]:
-    """The candidate's offline eval record against the champion's, metric by metric, with the probes' test.
-
-    The held-out sets are larger than any probe budget (every held-out task prompt and safety prompt), so a
-    regression too small for the probes to prove is often clear here; both records were measured by the
-    same suites on the same held-out data, or the comparison is skipped (a metric only one side has).
-    """
-    cand, champ = _counts(candidate), _counts(champion)
-    out = []
-    for metric, (gate, tolerance, higher_is_better, label) in OFFLINE_METRICS.items():
-        if metric not in cand or metric not in champ:
-            continue
-        (value_c, n_c), (value_b, n_b) = cand[metric], champ[metric]
-        bad_c = round(n_c * (1 - value_c if higher_is_better else value_c))
-        bad_b = round(n_b * (1 - value_b if higher_is_better else value_b))
-        out.append(judge.rate_gate(gate, bad_c, n_c, bad_b, n_b, margin=getattr(gates, tolerance), alpha=alpha,
-                                   min_samples=OFFLINE_MIN_SAMPLES, label=f"{label} (offline)"))
-    return out
 
 
 def probe_verdicts(probes: dict[str, Any] | None, gates: Gates, alpha: float) -> list[Verdict]:

@@ -18,6 +18,7 @@ from serving.fleet.gateway_group import GatewayGroup
 from serving.rollout import analysis as A
 from serving.rollout.analysis import Analysis
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS, Verdict
+from serving.rollout.offline import offline_verdicts
 from serving.rollout.plan import RolloutPlan
 from serving.rollout.probes import load_probes, run_probes
 from serving.rollout.registry_console import RegistryConsole
@@ -115,7 +116,7 @@ class PhaseJudge:
         verdict = A.eval_record_verdict(passed, self.plan.gates)
         if verdict is not None:
             verdicts.append(verdict)
-        verdicts += A.offline_verdicts(record, self.console.eval_record(spec.champion_version), self.plan.gates,
+        verdicts += offline_verdicts(record, self.console.eval_record(spec.champion_version), self.plan.gates,
                                        self.alpha)
         return verdicts
 

@@ -197,7 +197,7 @@ def _record(**metrics: tuple[float, int]) -> dict:
 
 
 def test_offline_records_compare_metric_by_metric_with_the_rate_test():
-    from serving.rollout.analysis import offline_verdicts
+    from serving.rollout.offline import offline_verdicts
 
     champion = _record(refusal_rate=(41 / 43, 43), task_accuracy=(0.94, 200), over_refusal_rate=(0.02, 48))
     broken = _record(refusal_rate=(10 / 43, 43), task_accuracy=(0.93, 200), over_refusal_rate=(0.0, 48))
@@ -210,6 +210,65 @@ def test_offline_records_compare_metric_by_metric_with_the_rate_test():
     # records written before they carried sample counts cannot be compared: no verdict, not a pass
     assert offline_verdicts({"passed": True, "metrics": {"refusal_rate": 0.2}}, champion, Gates(), 0.01) == []
     assert offline_verdicts(broken, None, Gates(), 0.01) == []
+
+
+def _sliced(value: float, n: int, **slices: tuple[float, int]) -> dict:
+    return {"value": value, "n": n, "slices": {k: {"value": v, "n": m} for k, (v, m) in slices.items()}}
+
+
+def _record_with(**rows: dict) -> dict:
+    return {"passed": True, "results": [{"suite": m, "metric": m, **row} for m, row in rows.items()]}
+
+
+def test_sampled_accuracy_is_compared_offline_beside_greedy():
+    """The calibration's "lost task accuracy" candidate: greedy answers nearly kept, sampled ones lost."""
+    from serving.rollout.offline import offline_verdicts
+
+    champion = _record(task_accuracy=(0.99, 200), sampled_task_accuracy=(0.75, 200))
+    candidate = _record(task_accuracy=(0.985, 200), sampled_task_accuracy=(0.55, 200))
+    verdicts = {v.gate: v for v in offline_verdicts(candidate, champion, Gates(), alpha=0.01)}
+    assert verdicts["offline_accuracy"].outcome == "pass"
+    assert verdicts["offline_sampled_accuracy"].outcome == "fail"
+    assert "wrong sampled answers (offline) 0.450 vs 0.250" in verdicts["offline_sampled_accuracy"].reason
+    assert {v.outcome for v in offline_verdicts(champion, champion, Gates(), alpha=0.01)} == {"pass"}
+
+
+def test_a_regression_in_one_slice_fails_that_slice_though_the_average_passes():
+    """Subtraction collapses (0.95 -> 0.55 on 40 prompts) while the average over 200 moves from 0.94 to 0.91,
+    within the 0.05 tolerance. The average passes; the slices verdict fails, naming subtraction; the same record
+    against itself is quiet, and a slice under the minimum sample is not judged."""
+    from serving.rollout.offline import offline_verdicts
+
+    slices = {"addition": (0.95, 80), "subtraction": (0.95, 40), "multiplication": (0.93, 80), "tiny": (1.0, 5)}
+    champion = _record_with(task_accuracy=_sliced(0.94, 200, **slices))
+    broken = _record_with(task_accuracy=_sliced(0.91, 200, **{**slices, "subtraction": (0.55, 40)}))
+    verdicts = {v.gate: v for v in offline_verdicts(broken, champion, Gates(), alpha=0.01)}
+    assert verdicts["offline_accuracy"].outcome == "pass"
+    sliced = verdicts["offline_accuracy_slices"]
+    assert sliced.outcome == "fail" and sliced.reason.startswith("3 slices, each at α/3: wrong answers in subtraction")
+    assert "tiny" not in sliced.reason
+    quiet = {v.gate: v for v in offline_verdicts(champion, champion, Gates(), alpha=0.01)}
+    assert quiet["offline_accuracy_slices"].outcome == "pass"
+    assert "all within 0.05" in quiet["offline_accuracy_slices"].reason
+    assert "offline_accuracy_slices" in analysis.known_gates(RolloutPlan())
+
+
+def test_slice_verdicts_keep_their_false_alarm_rate_under_alpha_over_many_slices():
+    """Ten slices of 40 prompts, candidate and champion equally good (90%): the slices verdict fails a good
+    candidate no more often than alpha (Bonferroni over the slices), however many slices there are."""
+    from serving.rollout.offline import offline_verdicts
+
+    rng = random.Random(11)
+    alpha, trials, false_alarms = 0.05, 400, 0
+
+    def draw() -> dict:
+        sl = {f"s{i}": (sum(rng.random() < 0.9 for _ in range(40)) / 40, 40) for i in range(10)}
+        return _record_with(task_accuracy=_sliced(sum(v for v, _ in sl.values()) / 10, 400, **sl))
+
+    for _ in range(trials):
+        verdicts = {v.gate: v for v in offline_verdicts(draw(), draw(), Gates(), alpha=alpha)}
+        false_alarms += verdicts["offline_accuracy_slices"].outcome == "fail"
+    assert false_alarms / trials <= alpha
 
 
 def _window(**variants) -> dict:
