@@ -53,11 +53,14 @@ def _torch_install() -> str:
 
 
 def build_tag(files: Sequence[Path]) -> str:
-    """Short hash of this CPU's flags, the torch it builds against, and each file's name and bytes: the build
-    cache key besides the extension's name."""
+    """Short hash of this CPU's flags, the torch it builds against, and each file's path and bytes: the build
+    cache key besides the extension's name. The path, because ninja's build file names the sources by absolute
+    path: two checkouts sharing one environment (a `git worktree` beside the main one) otherwise shared one build
+    directory and rebuilt it, under the lock, each time the other one loaded (~90 s of compile on 2 cores,
+    seen as replicas taking 100 s to start in `benchmarks/serve_start.py --tree`)."""
     digest = hashlib.sha1(_cpu_flags().encode() + b"\0" + _torch_install().encode())
     for f in files:
-        digest.update(b"\0" + f.name.encode() + b"\0" + f.read_bytes())
+        digest.update(b"\0" + str(Path(f).resolve()).encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:10]
 
 

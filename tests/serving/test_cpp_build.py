@@ -13,14 +13,18 @@ import torch.utils.cpp_extension
 from serving.engine import cpp_build, cpu_kernels
 
 
-def test_the_cache_key_follows_the_source(tmp_path):
+def test_the_cache_key_follows_the_source_and_where_it_lives(tmp_path):
+    """Other bytes build afresh; so do the same bytes in another checkout (ninja's build file names each source by
+    its absolute path: two checkouts sharing one key rebuilt it over each other on every load)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    a, b, c = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp", tmp_path / "c.cpp"
+    a, b = tmp_path / "a" / "k.cpp", tmp_path / "b" / "k.cpp"
     a.write_text("int f() { return 1; }\n")
     b.write_text("int f() { return 1; }\n")
-    c.write_text("int f() { return 2; }\n")
-    assert cpp_build.build_tag([a]) == cpp_build.build_tag([b]) != cpp_build.build_tag([c])
+    tag = cpp_build.build_tag([a])
+    assert cpp_build.build_tag([a]) == tag != cpp_build.build_tag([b])
+    a.write_text("int f() { return 2; }\n")
+    assert cpp_build.build_tag([a]) != tag
 
 
 def test_the_cache_key_follows_the_torch_installation(tmp_path, monkeypatch):
