@@ -14,7 +14,8 @@ STAMP := $(VENV)/.installed
 RECIPE ?= configs/default.yaml
 PYTEST_ARGS ?=
 # the suite runs on this many workers, a test module to a worker (rollouts judged on latency run beside the
-# other worker: their shadow gate compares each mirrored request with the champion's answer of the same moment)
+# other worker: their shadow gate compares each mirrored request with the champion's answer of the same moment),
+# handed out longest module first (tests/module_order.py; --no-loadscope-reorder keeps that order)
 TEST_WORKERS ?= 2
 
 .PHONY: venv run test lint clean-venv
@@ -38,7 +39,7 @@ run: venv
 	$(BIN)/lifecycle run $(RECIPE)
 
 test: venv
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

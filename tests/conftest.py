@@ -20,6 +20,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import pytest
 import torch
 
+from tests import module_order
+
 if not torch.cuda.is_available():
     # the engine's Triton kernels run on CPU tensors under triton's interpreter, which triton reads when a kernel
     # is decorated: set before any test module (or a library such as bitsandbytes) first imports triton
@@ -28,8 +30,18 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)  # the tests share two cores with each other's servers: one thread each is fairer
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    module_order.add_option(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    module_order.configure(config)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` run only where torch sees a CUDA device: CPU CI reports them skipped, with why."""
+    """Modules longest first (the order xdist hands them out: see module_order.py). Tests marked ``cuda`` run only
+    where torch sees a CUDA device: CPU CI reports them skipped, with why."""
+    module_order.longest_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

@@ -29,8 +29,9 @@ from 36-60 to 5 µs at 64 rows; rotary of q and k per layer from 57 to 5.4 µs a
 
 All of them split rows (sequences) over threads with ``at::parallel_for``. The C++ is in ``csrc/``:
 ``paged_decode.cpp``, ``paged_prefill.cpp``, ``elementwise.cpp`` (add_rms_norm, silu_mul, rope), the shared
-16-lane helpers in ``vec16.h``, and ``cpu_kernels.cpp`` binding the functions ``cpu_kernels.h`` declares; all
-compiled by ``cpp_build.build`` when a C++ compiler is present. ``load()`` returns None, and the engine keeps
+16-lane helpers in ``vec16.h``, and ``cpu_kernels.cpp``, which includes them (one translation unit: torch's headers
+are parsed once) and binds the functions ``cpu_kernels.h`` declares; compiled by ``cpp_build.build`` when a C++
+compiler is present. ``load()`` returns None, and the engine keeps
 the torch ops, when there is no compiler, the build fails, or ``LLM_LIFECYCLE_CPU_KERNELS=0``.
 """
 
@@ -47,9 +48,10 @@ __all__ = ["ENV_SWITCH", "PREFILL_HEAD_DIMS", "load", "supported"]
 
 PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # head sizes paged_prefill is compiled for (block size 16)
 
-# the extension's files: the .cpp sources are compiled, and every file's bytes go into the build cache key
-FILES = tuple(cpp_build.CSRC / f for f in ("paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp",
-                                            "cpu_kernels.cpp", "cpu_kernels.h", "vec16.h"))
+# the extension: one translation unit, and the files it includes (their bytes go into the build cache key)
+SOURCE = cpp_build.CSRC / "cpu_kernels.cpp"
+INCLUDES = tuple(cpp_build.CSRC / f for f in ("paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp",
+                                              "cpu_kernels.h", "vec16.h"))
 
 _kernels: ModuleType | None = None
 _tried = False
@@ -63,7 +65,7 @@ def load() -> ModuleType | None:
     global _kernels, _tried
     if not _tried:
         _tried = True
-        _kernels = cpp_build.build("llm_lifecycle_cpu_kernels", FILES)
+        _kernels = cpp_build.build("llm_lifecycle_cpu_kernels", SOURCE, INCLUDES)
     return _kernels
 
 

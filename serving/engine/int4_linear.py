@@ -54,7 +54,7 @@ def load() -> ModuleType | None:
     global _module, _tried
     if not _tried:
         _tried = True
-        _module = cpp_build.build("llm_lifecycle_int4", [cpp_build.CSRC / "int4_linear.cpp"])
+        _module = cpp_build.build("llm_lifecycle_int4", cpp_build.CSRC / "int4_linear.cpp")
     return _module
 
 

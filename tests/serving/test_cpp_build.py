@@ -1,6 +1,6 @@
-"""Building the C++ extensions (serving/engine/cpp_build.py): the build cache is keyed by every file of the
-extension, headers included, so a changed .cpp or .h builds afresh, and a file that is not there leaves the torch
-path instead of failing; a build killed mid-compile does not block the next one."""
+"""Building the C++ extensions (serving/engine/cpp_build.py): one translation unit each, and the build cache keyed
+by every file of the extension, what the unit includes too, so a changed .cpp or .h builds afresh, and a file that
+is not there leaves the torch path instead of failing; a build killed mid-compile does not block the next one."""
 
 from __future__ import annotations
 
@@ -58,9 +58,13 @@ def test_the_cache_key_follows_every_file_headers_included(tmp_path):
 def test_every_extension_file_ships_in_csrc():
     """Every .cpp and .h in csrc belongs to an extension's file list, so it is hashed into the cache key."""
     int4 = cpp_build.CSRC / "int4_linear.cpp"
-    assert all(f.is_file() for f in (*cpu_kernels.FILES, int4))
-    assert {f.suffix for f in cpu_kernels.FILES} == {".cpp", ".h"}
-    assert {*cpp_build.CSRC.glob("*.cpp"), *cpp_build.CSRC.glob("*.h")} == {*cpu_kernels.FILES, int4}
+    kernels = (cpu_kernels.SOURCE, *cpu_kernels.INCLUDES)
+    assert all(f.is_file() for f in (*kernels, int4))
+    assert {f.suffix for f in cpu_kernels.INCLUDES} == {".cpp", ".h"}
+    assert {*cpp_build.CSRC.glob("*.cpp"), *cpp_build.CSRC.glob("*.h")} == {*kernels, int4}
+    # the one translation unit includes every kernel source (each compiled alone would parse torch's headers again)
+    unit = cpu_kernels.SOURCE.read_text()
+    assert all(f'#include "{f.name}"' in unit for f in cpu_kernels.INCLUDES if f.suffix == ".cpp")
 
 
 @pytest.mark.parametrize("missing", ["missing.cpp", "missing.h"])
@@ -74,10 +78,10 @@ def test_a_missing_file_means_torch_path(monkeypatch, tmp_path, missing):
     present, header = tmp_path / "k.cpp", tmp_path / "k.h"
     present.write_text('#include "k.h"\nint f() { return g(); }\n')
     header.write_text("inline int g() { return 1; }\n")
-    assert cpp_build.build("llm_lifecycle_missing", [present, header, tmp_path / missing]) is None
+    assert cpp_build.build("llm_lifecycle_missing", present, [header, tmp_path / missing]) is None
     assert builds == []  # nothing compiled
-    assert cpp_build.build("llm_lifecycle_present", [present, header]) is not None
-    assert builds == [[str(present)]]  # the .cpp files are compiled, the headers only hashed
+    assert cpp_build.build("llm_lifecycle_present", present, [header]) is not None
+    assert builds == [[str(present)]]  # the one unit is compiled, what it includes only hashed
 
 
 TINY_EXTENSION = Path(__file__).with_name("csrc") / "tiny_extension.cpp"
@@ -95,6 +99,6 @@ def test_a_build_killed_mid_compile_does_not_block_the_next(monkeypatch, tmp_pat
     build_dir = tmp_path / "extensions" / f"{name}_{cpp_build.build_tag([source])}"
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()
-    module = cpp_build.build(name, [source])
+    module = cpp_build.build(name, source)
     assert module is not None and module.answer() == 42
     assert not (build_dir / "lock").exists()

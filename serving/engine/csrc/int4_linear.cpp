@@ -1,6 +1,9 @@
 // Weight-only 4-bit linear layers on CPU (built by serving/engine/int4_linear.py, whose docstring describes the
 // storage and the two paths): int4_linear.
-#include <torch/extension.h>
+// torch's types, its error translation and pybind11 casters, not all of <torch/extension.h>: 27 s of compile, not 54
+#include <torch/types.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
