@@ -94,3 +94,8 @@ def check_gates(results: list[EvalResult], gates: list[Gate]) -> GateReport:
     """Evaluate every gate against the results' flat metrics (slices included)."""
     metrics = metrics_dict(results)
     return GateReport(checks=[_check(g, metrics) for g in gates])
+
+
+def failed_gates(gates: list[Gate], metrics: dict[str, float]) -> list[Gate]:
+    """The gates ``metrics`` (one model's flat metrics) fail, a missing metric included."""
+    return [g for g in gates if not _check(g, metrics).passed]

@@ -152,7 +152,22 @@ def _release(ctx: PipelineContext, report: PipelineReport, model: StageOutput,
             alias = f" @{release.info['alias']}" if "alias" in release.info else ""
             report.notes.append(f"{variant}: registered {release.info['model_uri']}{alias} "
                                 f"({release.info['gates']})")
+        if not release.info.get("gates_passed", True):
+            _advise(ctx, report, variant, evaluation)
     return releases
+
+
+def _advise(ctx: PipelineContext, report: PipelineReport, variant: str, evaluation: StageOutput) -> None:
+    """A release that failed its gates: which stage lost each metric, and the recipe keys to look at."""
+    from evals.gates import failed_gates
+    from flows.gate_advice import failed_gate_advice
+
+    chain = [label for label in ("base", "sft", "dpo", "grpo") if label in report.evals]
+    chain += (["bundle-fp"] if variant != "fp" else []) + [f"bundle-{variant}"]
+    failed = failed_gates(ctx.recipe.parsed_gates(), evaluation.metrics)
+    for line in failed_gate_advice(failed, {label: out.metrics for label, out in report.evals.items()}, chain):
+        console.print(f"[yellow]- release-{variant}[/] {line}", highlight=False)
+        report.notes.append(f"{variant}: {line}")
 
 
 def _finish(ctx: PipelineContext, report: PipelineReport, data: StageOutput, rollout: RolloutOutcome | None,

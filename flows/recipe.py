@@ -21,7 +21,7 @@ from serving.rollout.plan import RolloutPlan
 from training.base_model import BaseModelConfig
 from training.data import DataConfig
 from training.draft_config import DraftConfig
-from training.stage_config import DPOStageConfig, GRPOStageConfig, SFTStageConfig
+from training.stage_config import KEYS_THAT_MATTER, DPOStageConfig, GRPOStageConfig, SFTStageConfig
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -185,3 +185,29 @@ def load_recipe(path: str | Path) -> Recipe:
             raise ConfigError(f"{path}: base.source: {base.source!r} is neither 'embedded' nor a directory")
         base.source = str(candidate)
     return recipe
+
+
+def untuned_keys(path: str | Path) -> list[str]:
+    """One line per enabled training stage of the recipe at ``path`` that leaves out a key known to matter
+    (``KEYS_THAT_MATTER``): the run still starts, on defaults tuned for the embedded base, and the user is told
+    which values to set. Read from the file itself: the loaded recipe cannot tell a default from a value."""
+    path = Path(path)
+    data = read_yaml_mapping(path)
+    training = data.get("training") or {}
+    lines = []
+    for stage, keys in KEYS_THAT_MATTER.items():
+        section = training.get(stage) if isinstance(training, dict) else None
+        if isinstance(section, dict) and section.get("enabled", True) is False:
+            continue
+        given = section if isinstance(section, dict) else {}
+        missing = [k for k in keys if k not in given]
+        if missing:
+            defaults = _STAGE_CLASSES[stage]()
+            values = ", ".join(f"{k}={getattr(defaults, k)}" for k in missing)
+            lines.append(f"{path}: training.{stage}: {', '.join(missing)} not set, so the defaults ({values}) "
+                         "apply; set them for your model (configs/default.yaml has the values tuned for the "
+                         "embedded base)")
+    return lines
+
+
+_STAGE_CLASSES = {"sft": SFTStageConfig, "dpo": DPOStageConfig, "grpo": GRPOStageConfig}

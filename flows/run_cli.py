@@ -37,10 +37,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_flow(args: argparse.Namespace) -> int:
     from flows.preflight import preflight
-    from flows.recipe import load_recipe
+    from flows.recipe import load_recipe, untuned_keys
 
     recipe = load_recipe(args.recipe)  # validate before paying for Prefect's start-up
     preflight(recipe, args.recipe)
+    for line in untuned_keys(args.recipe):  # a recipe that runs: a refused one gets its one error line only
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     workdir = resolve_workdir(recipe.workdir)
     prepare_environment(workdir)
     from flows import quiet_logs

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot.add_argument("--model-name", default=None, help="registered model name for a bundle dir "
                           "(default: the manifest's name)")
     snapshot.add_argument("--wait", action="store_true", help="follow the rollout here until it ends or waits")
+    snapshot.add_argument("--waive", default=None, metavar="GATE[,GATE]",
+                          help="gates this snapshot goes past, recorded with your name: eval_record installs a "
+                               "release that failed its gates; a rollout takes any of its plan's gates")
     snapshot.add_argument("--backend", choices=("local", "ray"), default=None,
                           help="where a new fleet's replicas run: local (processes on this machine; the default) or "
                                "ray (actors on the Ray cluster at --ray-address); an existing fleet keeps its own")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from artifacts.common.workdir import resolve_workdir
 from serving.cli import ServeError
+from serving.deploy.release_gates import waived_gates
 
 
 def fleet_dir(args: argparse.Namespace) -> Path:
@@ -81,7 +82,7 @@ def deploy_action(args: argparse.Namespace) -> int:
         raise ServeError(f"{root}: no rollout in progress to {args.action}")
     spec = state.spec
     console = RegistryConsole(spec.model_name, spec.tracking_uri)
-    waive = [g.strip() for g in (getattr(args, "waive", None) or "").split(",") if g.strip()]
+    waive = waived_gates(getattr(args, "waive", None))
     if waive:
         from serving.rollout.analysis import known_gates
 

@@ -1,7 +1,8 @@
 """`deploy snapshot SOURCE`: resolve the snapshot to a local bundle, verify it in full, then put it in front of
 traffic. The first snapshot of a model becomes champion after a smoke check (so does one deployed
-``--as champion``); a later one gets a replica beside the champion's, a baseline replica of the champion,
-and a rollout run by the controller in the background (``control.py``).
+``--as champion``), unless its release failed its gates (``release_gates.py``: refused unless waived); a later
+one gets a replica beside the champion's, a baseline replica of the champion, and a rollout run by the
+controller in the background (``control.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from artifacts.common.workdir import resolve_tracking_uri, resolve_workdir
 from serving.cli import ServeError, add_serve_arguments, engine_config_from_args
 from serving.deploy.control import actor, fleet_dir, follow, spawn_controller
+from serving.deploy.release_gates import check_install, release_verdict, waived_gates
 from serving.deploy.standalone import serve_standalone
 
 
@@ -117,6 +119,12 @@ def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version
     from serving.rollout.registry_console import RegistryConsole
 
     engine_config_from_args(args)  # validates --kv-memory and friends before anything starts
+    console = RegistryConsole(model_name, tracking_uri)
+    champion = console.alias_version("champion")
+    waive = waived_gates(args.waive)
+    installs = champion != version and (champion is None or args.role == "champion")
+    waived_cause = check_install(release_verdict(console, version, bundle), version, waive, console, actor()) \
+        if installs else ""
     fleet = Fleet(fleet_dir(args), model_name, tracking_uri, backend=args.backend, ray_address=args.ray_address,
                   gateway_port=args.gateway_port, threads=args.threads, kv_memory=args.kv_memory,
                   other_gateways=args.other_gateways)
@@ -125,16 +133,14 @@ def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version
     flags = replica_serve_flags(args)
     if flags:
         print(f"v{version}'s replica serves with: {' '.join(flags)}", flush=True)
-    console = RegistryConsole(model_name, tracking_uri)
-    champion = console.alias_version("champion")
     if champion == version:
         replica = fleet.start_replica(bundle, version, serve_flags=flags)
         url = fleet.ensure_gateway(champion=replica)
         print(f"version {version} is already champion; serving it at {url}/v1 (model {model_name!r})")
         return 0
-    if champion is None or args.role == "champion":
-        return _install(fleet, bundle, model_name, version, champion, tracking_uri, flags)
-    return _start_rollout(args, fleet, bundle, model_name, version, champion, tracking_uri, flags)
+    if installs:
+        return _install(fleet, bundle, model_name, version, champion, tracking_uri, flags, waived_cause)
+    return _start_rollout(args, fleet, bundle, model_name, version, champion, tracking_uri, flags, waive, console)
 
 
 def _refuse_if_rolling(fleet) -> None:
@@ -148,11 +154,11 @@ def _refuse_if_rolling(fleet) -> None:
 
 
 def _install(fleet, bundle: Path, model_name: str, version: str, champion: str | None, tracking_uri: str,
-             flags: list[str]) -> int:
+             flags: list[str], waived_cause: str) -> int:
     from serving.rollout import install_on_fleet
 
     cause = ("first champion: no champion before, so no canary to compare with" if champion is None
-             else f"deployed with --as champion over v{champion} (no rollout)")
+             else f"deployed with --as champion over v{champion} (no rollout)") + waived_cause
     result = install_on_fleet(fleet, model_name=model_name, version=version, bundle=bundle,
                               tracking_uri=tracking_uri, cause=cause, actor=actor(), first=champion is None,
                               serve_flags=flags)
@@ -162,12 +168,18 @@ def _install(fleet, bundle: Path, model_name: str, version: str, champion: str |
 
 
 def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: str, version: str, champion: str,
-                   tracking_uri: str, flags: list[str]) -> int:
+                   tracking_uri: str, flags: list[str], waive: list[str], console) -> int:
     from serving.rollout import start_rollout
+    from serving.rollout.analysis import known_gates
 
     plan = _load_plan(args.plan)
     if args.probes:
         plan.probes = replace(plan.probes, data_dir=str(Path(args.probes).resolve()))
+    unknown = [g for g in waive if g not in known_gates(plan)]
+    if unknown:
+        raise ServeError(f"--waive: no gate named {unknown[0]!r} (gates: {', '.join(sorted(known_gates(plan)))})")
+    if waive:  # waived from the start: the controller records who and when, as for `deploy resume --waive`
+        console.request_waive(version, waive, actor())
     controller = start_rollout(fleet, model_name=model_name, version=version, bundle=bundle, champion=champion,
                                tracking_uri=tracking_uri, plan=plan,
                                start="canary" if args.role == "canary" else "shadow",

@@ -128,4 +128,5 @@ class RegistryConsole:
         if isinstance(stored, dict):
             record["metrics"] = stored.get("metrics", {})
             record["results"] = stored.get("results") or []
+            record["gates"] = stored.get("gates") or {}
         return record

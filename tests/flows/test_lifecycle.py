@@ -119,6 +119,22 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
     rerun = json.loads((tmp_path / "third.json").read_text())
     assert [name for name, s in rerun["stages"].items() if not s["cached"]] == ["dpo"]
 
+    # A gate no model can pass: the releases (whose key holds the gates) run again and fail, nothing is rolled out,
+    # and the report names, per failed gate, the step that lost the metric (or that none reached it) and the
+    # recipe keys to look at.
+    recipe = yaml.safe_load(micro_recipe.read_text())
+    recipe["gates"] = [*recipe.get("gates", []), "task_accuracy >= 1.01"]
+    micro_recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    fourth = run_lifecycle(micro_recipe, tmp_path / "fourth.json")
+    assert fourth.returncode == 0, fourth.stderr[-5000:]
+    failed = json.loads((tmp_path / "fourth.json").read_text())
+    assert {name for name, s in failed["stages"].items() if not s["cached"]} == {"release-fp", "release-gptq"}
+    advice = [note for note in failed["notes"] if "task_accuracy >= 1.01 failed (" in note]
+    assert [note.split(":")[0] for note in advice] == ["fp", "gptq"], failed["notes"]
+    assert all(" look at training." in note or " look at quantize." in note for note in advice), advice
+    assert "task_accuracy >= 1.01 failed (" in fourth.stdout and "failed its gates" in fourth.stdout
+    assert failed["rollout"]["result"] == "gates-failed"
+
 
 def _restart_command(rollout: dict) -> str:
     (line,) = [line for line in rollout["lines"] if "this rehearsal's fleet stops with the stage" in line]

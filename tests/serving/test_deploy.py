@@ -121,3 +121,75 @@ def test_serve_flags_beyond_the_fleets_own_go_on_to_the_snapshots_replica(tmp_pa
     assert replica_serve_flags(args) == [
         "--max-num-batched-tokens", "1024", "--no-prefix-caching", "--speculative-tokens", "4",
         "--speculative-model", str(Path("draft").resolve()), "--no-engine-process"]
+
+
+@pytest.fixture()
+def failed_release(micro_base_dir: Path, tmp_path: Path) -> tuple[str, Path]:
+    """The micro model bundled with an eval record whose refusal gate failed, registered as the pipeline's
+    release stage registers it (version 1, no alias, `lifecycle.gates_passed` = false)."""
+    from mlflow import MlflowClient
+
+    from artifacts.eval_record import write_eval_record
+    from artifacts.manifest import Lineage
+    from artifacts.registry import register_bundle
+    from artifacts.writer import BundleConfig, write_bundle
+
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    bundle = write_bundle(micro_base_dir, tmp_path / "bundle", BundleConfig(name="micro", max_shard_size="100KB"),
+                          Lineage(base_model="embedded:micro"))
+    record = write_eval_record(bundle, metrics={"refusal_rate": 0.837}, passed=False, gates={
+        "format_adherence >= 0.95": {"measured": 1.0, "passed": True, "reason": "format_adherence 1.000 >= 0.95"},
+        "refusal_rate >= 0.9": {"measured": 0.837, "passed": False, "reason": "refusal_rate 0.837 < 0.9"}})
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        ref = register_bundle(bundle, "micro", tracking_uri=tracking_uri)
+    finally:
+        os.chdir(cwd)
+    client = MlflowClient(tracking_uri)
+    client.log_artifact(client.get_model_version("micro", ref.version).run_id, str(record))  # as the release stage
+    client.set_model_version_tag("micro", ref.version, "lifecycle.gates_passed", "false")
+    client.set_model_version_tag("micro", ref.version, "lifecycle.gates", "1/2 passed")
+    return tracking_uri, bundle
+
+
+@pytest.mark.slow
+def test_a_release_that_failed_its_gates_is_installed_only_when_waived(failed_release, tmp_path: Path) -> None:
+    """The first champion used to be installed after a smoke check whatever its release gates said."""
+    from mlflow import MlflowClient
+
+    from tests.serving.fleet_support import deploy as deploy_cli
+
+    tracking_uri, _ = failed_release
+    fleet = tmp_path / "fleet"
+    common = ["--fleet", str(fleet), "--tracking-uri", tracking_uri]
+    serve = ["--threads", "1", "--kv-memory", "16MiB"]
+    home = tmp_path / "home"
+    refused = deploy_cli("snapshot", "models:/micro/1", *common, *serve, home=home)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("error:")]  # beside the download's bar
+    assert line.startswith("error: v1 failed its release gates (refusal_rate >= 0.9 (refusal_rate 0.837 < 0.9);")
+    assert "--waive eval_record" in line and "format_adherence" not in line
+    assert not (fleet / "fleet.json").exists()  # nothing was started
+
+    other = deploy_cli("snapshot", "models:/micro/1", *common, *serve, "--waive", "probe_accuracy", home=home)
+    assert other.returncode == 2 and "only eval_record applies" in other.stderr, other.stderr
+
+    try:
+        installed = deploy_cli("snapshot", "models:/micro/1", *common, *serve, "--waive", "eval_record", home=home)
+        assert installed.returncode == 0, installed.stdout + installed.stderr
+        assert "installing it anyway: eval_record waived by" in installed.stdout
+        assert "v1 is champion (first champion" in installed.stdout and "failed release gates waived by" \
+            in installed.stdout
+        version = MlflowClient(tracking_uri).get_model_version_by_alias("micro", "champion")
+        assert str(version.version) == "1" and version.tags["rollout.waived"].startswith("eval_record by ")
+    finally:
+        deploy_cli("stop", *common, home=home)
+
+
+def test_a_snapshot_without_an_eval_record_is_installed_with_a_warning(capsys) -> None:
+    from serving.deploy.release_gates import ReleaseVerdict, check_install
+
+    assert check_install(ReleaseVerdict(None), "3", [], console=None, actor="me") == ""
+    assert capsys.readouterr().out.startswith("warning: v3 has no eval record")
+    assert check_install(ReleaseVerdict(True), "3", [], console=None, actor="me") == ""
