@@ -12,6 +12,7 @@ forward pass and returns the outputs of that step.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Sequence as Seq
@@ -66,7 +67,7 @@ class LLMEngine:
         sampling_defaults = read_sampling_defaults(model_dir)  # a bad file fails before the weights load
         runner = ModelRunner(model_dir, config)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **_known_config(model_dir, runner))
         except (OSError, ValueError):
             tokenizer = None  # token-id-only serving
         return cls(runner, tokenizer, config, frozenset(stop_token_ids(model_dir, tokenizer)), sampling_defaults)
@@ -228,3 +229,20 @@ def _make_proposer(config: EngineConfig, runner: ModelRunner, tokenizer: Any) ->
         return draft
     return LookupThenDraft(NgramProposer(config.speculative_tokens, config.speculative_ngram), draft)
 
+
+
+def _known_config(model_dir: Path, runner: ModelRunner) -> dict:
+    """``config=`` for ``AutoTokenizer`` when the runner read a plain checkpoint's config itself and the tokenizer
+    names its class: AutoTokenizer then skips ``AutoConfig``, whose config classes import ``torch._dynamo`` (3 s of
+    a start on the 2-core host), and picks the class by the same names (the model type, the declared class).
+    Without a declared class it loads the config itself, as before."""
+    from serving.engine.llama_checkpoint import CheckpointConfig
+
+    config = runner.model.config
+    if not isinstance(config, CheckpointConfig):
+        return {}
+    try:
+        declared = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return {}
+    return {"config": config} if declared else {}
