@@ -55,9 +55,18 @@ class Proc:
         self.handle.close()
 
 
-def _runs(api: str, deployment_id: str) -> list[dict]:
-    response = httpx.post(f"{api}/flow_runs/filter", timeout=30, json={
-        "deployments": {"id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
+def _runs(api: str, deployment_id: str, attempts: int = 4) -> list[dict]:
+    """The deployment's runs. A read that times out is asked again: with the suite's heaviest modules beside it, the
+    Prefect server once took over 30 s to answer one filter (CI, session 41); the callers keep their own deadlines."""
+    for attempt in range(attempts):
+        try:
+            response = httpx.post(f"{api}/flow_runs/filter", timeout=30, json={
+                "deployments": {"id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
+            break
+        except httpx.TimeoutException:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(5)
     response.raise_for_status()
     return response.json()
 
