@@ -237,8 +237,8 @@ def more_time_helps(verdict: Verdict) -> bool:
 def known_gates(plan: RolloutPlan) -> set[str]:
     """Every gate name a rollout under ``plan`` can judge (what a waiver may name)."""
     return {"noise_floor", "error_rate", "rate_limited", "ttft_ratio", "itl_ratio", "ms_per_token_p95_ratio",
-            "traffic_keys", "agreement", "eval_record", "probe_accuracy", "probe_format", "probe_refusal",
-            "probe_over_refusal", *offline_gates()}
+            "traffic_keys", "agreement", "eval_record", "probe_accuracy", "probe_sampled_accuracy", "probe_format",
+            "probe_refusal", "probe_over_refusal", *offline_gates()}
 
 
 def is_behaviour_gate(gate: str) -> bool:
@@ -263,6 +263,11 @@ def probe_verdicts(probes: dict[str, Any] | None, gates: Gates, alpha: float) ->
         out.append(judge.rate_gate("probe_format", c["tasks"] - c["formatted"], c["tasks"],
                                    b["tasks"] - b["formatted"], b["tasks"], margin=gates.max_format_drop, alpha=alpha,
                                    min_samples=need, label="broken format"))
+    if _sent(c, "sampled"):  # the same tolerance as greedy accuracy: what users get at the served sampling
+        out.append(judge.rate_gate("probe_sampled_accuracy", c["sampled"] - c["sampled_correct"], c["sampled"],
+                                   b["sampled"] - b["sampled_correct"], b["sampled"], margin=gates.max_accuracy_drop,
+                                   alpha=alpha, min_samples=max(5, min(_sent(c, "sampled"), 10)),
+                                   label="wrong sampled answers"))
     if _sent(c, "harmful"):
         out.append(judge.rate_gate("probe_refusal", c["harmful"] - c["refused_harmful"], c["harmful"],
                                    b["harmful"] - b["refused_harmful"], b["harmful"], margin=gates.max_refusal_drop,
@@ -278,12 +283,12 @@ def probe_verdicts(probes: dict[str, Any] | None, gates: Gates, alpha: float) ->
 
 def _sent(score: dict[str, Any], kind: str) -> int:
     """Probes of ``kind`` sent to a variant: answered (counted under the kind's own name) plus unanswered."""
-    answered = score["tasks"] if kind == "task" else score[kind]
+    answered = score["tasks"] if kind == "task" else score.get(kind, 0)
     return answered + score.get(f"{kind}_errors", 0)
 
 
-_PROBE_KIND = {"probe_accuracy": "task", "probe_format": "task", "probe_refusal": "harmful",
-               "probe_over_refusal": "lookalike"}
+_PROBE_KIND = {"probe_accuracy": "task", "probe_format": "task", "probe_sampled_accuracy": "sampled",
+               "probe_refusal": "harmful", "probe_over_refusal": "lookalike"}
 
 
 def _with_unanswered(verdict: Verdict, candidate: dict[str, Any], champion: dict[str, Any]) -> Verdict:

@@ -136,8 +136,9 @@ def _canary_since(state: RolloutState) -> float:
 def _behaviour_settled(state: RolloutState) -> bool:
     """Whether the probes and the offline record have passed at some look of this rollout.
 
-    They are judged at every look until they pass, then not again (the probes run at temperature 0, so
-    a passed probe set would only pass again). Judging them once per rollout would let a verdict that
+    They are judged at every look until they pass, then not again (the same probes and the same snapshots: a
+    passed set would pass again but for sampling noise, and a second chance to fail on noise is a false alarm
+    the alpha budget did not plan for). Judging them once per rollout would let a verdict that
     was inconclusive at the first look vanish from the next one: a silent pass.
     """
     waived = state.waivers

@@ -67,17 +67,23 @@ class Gates:
 
 @dataclass
 class Probes:
-    """Verifiable prompts the controller sends to champion and candidate alike (temperature 0)."""
+    """Verifiable prompts the controller sends to champion and candidate alike: each at temperature 0, and each
+    task prompt ``samples`` times more at the server's own sampling.
+
+    Why both: users get the snapshot's served defaults (its generation_config, else temperature 1.0), not greedy
+    answers. A candidate can keep every greedy answer and still lose its sampled ones (a flatter distribution,
+    a hotter default): only the sampled probes see that."""
 
     data_dir: Optional[str] = None  # a data-stage output (tasks_heldout.jsonl, safety_heldout.jsonl)
     tasks: int = 40
     safety: int = 40  # harmful and look-alike prompts together
+    samples: int = 4  # draws per task prompt with no temperature or top_p in the request (0: greedy probes only)
     max_tokens: int = 48
     concurrency: int = 4
 
     def __post_init__(self) -> None:
-        if self.tasks < 0 or self.safety < 0 or self.max_tokens < 1 or self.concurrency < 1:
-            raise ValueError("tasks and safety must be >= 0, max_tokens and concurrency >= 1")
+        if self.tasks < 0 or self.safety < 0 or self.samples < 0 or self.max_tokens < 1 or self.concurrency < 1:
+            raise ValueError("tasks, safety and samples must be >= 0, max_tokens and concurrency >= 1")
 
 
 @dataclass

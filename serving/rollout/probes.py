@@ -1,4 +1,5 @@
-"""Verifiable probes: the same held-out prompts, at temperature 0, to the champion and to the candidate.
+"""Verifiable probes: the same held-out prompts to the champion and to the candidate, each at temperature 0 and
+each task prompt several times more at the server's own sampling (no temperature in the request).
 
 Live traffic has no reference answers, so the behaviour gates that need one (task accuracy, refusals of
 harmful prompts, over-refusal of benign look-alikes, the reply format) come from these probes, scored by
@@ -25,7 +26,7 @@ from serving.rollout.state import RolloutError
 
 @dataclass
 class ProbeItem:
-    kind: str  # task | harmful | lookalike
+    kind: str  # task | sampled (a task prompt at the served sampling) | harmful | lookalike
     prompt: str
     answer: str = ""
 
@@ -42,12 +43,15 @@ class ProbeScore:
     tasks: int = 0
     correct: int = 0
     formatted: int = 0
+    sampled: int = 0  # task prompts answered at the served sampling
+    sampled_correct: int = 0
     harmful: int = 0
     refused_harmful: int = 0
     lookalike: int = 0
     refused_lookalike: int = 0
     errors: int = 0
     task_errors: int = 0
+    sampled_errors: int = 0
     harmful_errors: int = 0
     lookalike_errors: int = 0
 
@@ -63,6 +67,7 @@ def load_probes(spec: Probes) -> list[ProbeItem]:
     try:
         tasks = _jsonl(root / "tasks_heldout.jsonl")[:spec.tasks]
         items += [ProbeItem("task", r["prompt"], str(r["answer"])) for r in tasks]
+        items += [ProbeItem("sampled", r["prompt"], str(r["answer"])) for r in tasks for _ in range(spec.samples)]
         safety = _jsonl(root / "safety_heldout.jsonl")
         harmful = [r for r in safety if r.get("should_refuse")]
         benign = [r for r in safety if not r.get("should_refuse")]
@@ -82,8 +87,9 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[ProbeItem], spec: Probes) -> ProbeScore:
     def ask(item: ProbeItem) -> tuple[ProbeItem, str | None, bool]:
-        body = {"messages": [{"role": "user", "content": item.prompt}], "temperature": 0,
-                "max_tokens": spec.max_tokens}
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": item.prompt}], "max_tokens": spec.max_tokens}
+        if item.kind != "sampled":  # sampled probes leave the sampling to the snapshot's served defaults
+            body["temperature"] = 0
         try:
             response = gateway.ask(variant, body)
         except httpx.HTTPError:  # unreachable, timed out, broke off: a probe error, counted
@@ -108,6 +114,9 @@ def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[P
                 score.tasks += 1
                 score.correct += is_correct(reply, item.answer)
                 score.formatted += is_format_adherent(reply, stopped)
+            elif item.kind == "sampled":
+                score.sampled += 1
+                score.sampled_correct += is_correct(reply, item.answer)
             elif item.kind == "harmful":
                 score.harmful += 1
                 score.refused_harmful += is_refusal(reply)

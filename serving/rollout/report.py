@@ -86,6 +86,9 @@ def vs_champion(state: RolloutState) -> str:
     if "probe_accuracy" in latest and latest["probe_accuracy"]["candidate"] is not None:
         v = latest["probe_accuracy"]
         parts.append(f"acc {(v['baseline'] - v['candidate']) * 100:+.0f} pts")
+    if "probe_sampled_accuracy" in latest and latest["probe_sampled_accuracy"]["candidate"] is not None:
+        v = latest["probe_sampled_accuracy"]  # rates of wrong answers: champion's minus candidate's is the change
+        parts.append(f"sampled acc {(v['baseline'] - v['candidate']) * 100:+.0f} pts")
     if "error_rate" in latest and latest["error_rate"]["candidate"] is not None:
         parts.append(f"5xx {latest['error_rate']['candidate']:.3f}")
     return " · ".join(parts) or "–"

@@ -6,6 +6,8 @@ tokens, which the detokenizer tests need. Weights use a wide init so greedy argm
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,31 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_model_dir_b(tmp_path_factory) -> Path:
     """A second tiny Llama with other weights (and the same tokenizer): a candidate that answers differently."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-b"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def replicas_on_one_core() -> Iterator[int | None]:
+    """For a module whose rollouts are judged on latency against a baseline replica (an A/A pair): this worker,
+    and every replica, gateway and load generator it starts, runs on one core for the module.
+
+    Why: the other xdist worker's module runs beside it on the 2-core host. Three busy processes on two cores
+    leave one core's pair sharing it while the third has a core to itself, and the scheduler keeps it so for the
+    seconds a canary step lasts: an A/A canary then read ITL ×1.74 against its baseline (p = 2e-5) and was rolled
+    back (`make test` at dd4d709). On one core both replicas of the pair meet the same neighbours, so the pair stays
+    A/A. Each worker takes its own core (gw0 the first), so two such modules never crowd one core. None (and
+    nothing pinned) where the host has a single core or no affinity call."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield None
+        return
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)
+    if len(cores) < 2:
+        yield None
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    core = cores[int(worker[2:]) % len(cores) if worker[2:].isdigit() else 0]
+    os.sched_setaffinity(0, {core})
+    try:
+        yield core
+    finally:
+        os.sched_setaffinity(0, before)

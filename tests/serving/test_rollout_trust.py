@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -27,8 +28,8 @@ from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_versions, spec_for
 from tests.serving.test_fleet_faults import _fleet_record, _wait_phase, deploy
 
-# the rollouts here are judged on latency: run alone, not beside another worker's load (see Makefile)
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_prefect_server")]
+# the rollouts here are judged on latency against a baseline replica: the pair shares one core
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_prefect_server", "replicas_on_one_core")]
 SUMS = [(12, 30), (45, 17), (7, 8), (23, 19), (31, 11), (9, 40), (26, 26), (14, 5)]
 
 
@@ -112,6 +113,8 @@ def test_a_a_through_deploy_is_never_rolled_back_and_a_waiver_gets_past_a_missin
             # the probes ran for real against both models through the gateway, and decided: same answers
             assert shadow["probe_accuracy"]["outcome"] == "pass" and shadow["probe_accuracy"]["samples"] == len(SUMS)
             assert paused.probes["champion"]["correct"] == len(SUMS) == paused.probes["candidate"]["correct"]
+            assert shadow["probe_sampled_accuracy"]["outcome"] == "pass"
+            assert shadow["probe_sampled_accuracy"]["samples"] == len(SUMS) * Probes().samples
 
             resumed = deploy("resume", *common, "--waive", "eval_record", home=home)
             assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -163,6 +166,34 @@ def test_probes_roll_back_a_candidate_that_lost_the_skill(tmp_path, taught, tiny
     assert time.time() - state.started_at < 180
 
 
+def test_probes_roll_back_a_candidate_that_lost_only_its_sampled_answers(tmp_path, taught):
+    """The candidate is the champion's weights with a hotter served default (generation_config temperature 3).
+    Every greedy probe is answered as before; at the server's own sampling, most answers are lost. Only the
+    sampled probes can see it, and they roll it back."""
+    model, data = taught
+    hot = tmp_path / "hot"
+    shutil.copytree(model, hot)
+    config = json.loads((hot / "generation_config.json").read_text())
+    (hot / "generation_config.json").write_text(json.dumps(config | {"do_sample": True, "temperature": 3.0}))
+    registry = register_versions(tmp_path, {"a": model, "b": hot})
+    with fleet(tmp_path, model, hot) as f:
+        traffic = TrafficGenerator(f["gateway_url"], f["user_key"], TrafficSpec(
+            data_dir=str(data), concurrency=3, max_tokens=12), model=MODEL).start()
+        try:
+            controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "b", _probe_plan(data)))
+            state = controller.run_until_done(max_seconds=180)
+        finally:
+            traffic.stop()
+    assert state.phase == "rolled_back", state.reason
+    shadow = {v["gate"]: v for v in state.analyses[-1]["verdicts"]}
+    assert shadow["probe_accuracy"]["outcome"] == "pass"  # the greedy answers are the champion's
+    assert state.probes["candidate"]["correct"] == len(SUMS) == state.probes["champion"]["correct"]
+    assert shadow["probe_sampled_accuracy"]["outcome"] == "fail" and "probe_sampled_accuracy" in state.reason
+    sampled = {side: state.probes[side]["sampled_correct"] / state.probes[side]["sampled"]
+               for side in ("champion", "candidate")}
+    assert sampled["candidate"] <= sampled["champion"] - 0.3, sampled
+
+
 def test_probes_in_a_canary_step_load_the_baseline_as_much_as_the_candidate(tmp_path, taught):
     """Started at canary, the probes run in the first step: the baseline answers the same probes at the same
     time as the candidate, so their latencies are compared under the same extra load."""
@@ -183,6 +214,7 @@ def test_probes_in_a_canary_step_load_the_baseline_as_much_as_the_candidate(tmp_
         with sqlite3.connect(store.path) as conn:
             probes = dict(conn.execute("SELECT variant, COUNT(*) FROM requests WHERE probe = 1 GROUP BY variant"))
     assert state.phase == "promoted", (state.reason, [a["summary"] for a in state.analyses])
-    assert probes == {"champion": len(SUMS), "canary": len(SUMS), "baseline": len(SUMS)}
+    sent = len(SUMS) * (1 + Probes().samples)  # each sum greedy, then at the served sampling
+    assert probes == {"champion": sent, "canary": sent, "baseline": sent}
     first = {v["gate"]: v for v in state.analyses[0]["verdicts"]}
     assert first["probe_accuracy"]["outcome"] == "pass" and first["ttft_ratio"]["threshold"].endswith("baseline")
