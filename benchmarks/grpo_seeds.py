@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="stage.key=value override of a stage's section (repeatable)")
     parser.add_argument("--workdir", type=Path, help="keep every stage's output here (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="also write the scores as JSON here")
+    parser.add_argument("--threads", type=int, help="torch threads (default: the recipe's); 1 and 2 stand in for "
+                        "two hosts, whose float arithmetic differs the way two CPU families' does")
     return parser.parse_args(argv)
 
 
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data is None:
         raise ValueError("give RECIPE BASE_MODEL DATA, or --report JSON...")
     recipe = load_recipe(args.recipe)
-    torch.set_num_threads(recipe.threads or torch.get_num_threads())
+    torch.set_num_threads(args.threads or recipe.threads or torch.get_num_threads())
     with tempfile.TemporaryDirectory(prefix="grpo-seeds-") as tmp:
         workdir = args.workdir or Path(tmp)
         chains = [run_chain(recipe, args, seed, workdir) for seed in args.seeds]

@@ -140,7 +140,8 @@ def stage_task_body(work: StageWork, parent_run_id: str | None) -> StageOutput:
             mlflow_run_id=run.info.run_id,
             seconds=round(time.perf_counter() - started, 2),
         )
-    console.print(f"[green]✓ {work.stage}[/] in {output.seconds:.1f}s", highlight=False)
+    summary = f" ({output.info['summary']})" if output.info.get("summary") else ""  # a stage's one-line what
+    console.print(f"[green]✓ {work.stage}[/] in {output.seconds:.1f}s{summary}", highlight=False)
     _write_done_record(work.out_dir, output)
     return output
 

@@ -73,7 +73,11 @@ def base_stage(ctx: PipelineContext) -> StageOutput:
     section = ctx.recipe.base
     if section.is_embedded:
         config = section.embedded
-        key = stage_key("base", config.recipe())
+        from training.base_model import shipped_checkpoint
+
+        shipped = shipped_checkpoint(config)  # the package's checkpoint of this recipe, the same on every host
+        origin = {"shipped_sha256": shipped.weights_sha256} if shipped is not None else {"pretrained": "here"}
+        key = stage_key("base", {**config.recipe(), **origin})
 
         def build(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
             from training.base_model import ensure_base_model
@@ -83,9 +87,12 @@ def base_stage(ctx: PipelineContext) -> StageOutput:
             log_file = built.path / "pretrain_log.json"
             if log_file.is_file():
                 metrics.update(_log_pretrain_curve(json.loads(log_file.read_text())))
-            return metrics, {"path": str(built.path), "reused_build": built.cached}
+            info = {"path": str(built.path), "reused_build": built.cached, "origin": built.origin}
+            if shipped is not None:
+                info["summary"] = f"the package's shipped base, sha256 {shipped.weights_sha256[:12]}… checked"
+            return metrics, info
 
-        return ctx.run("base", key, build, params={"source": "embedded", **config.recipe()})
+        return ctx.run("base", key, build, params={"source": "embedded", **config.recipe(), **origin})
 
     source = Path(section.source)
     key = stage_key("base", {"source": str(source)}, extra=_dir_fingerprint(source))

@@ -22,6 +22,7 @@ from artifacts.common.device import pick_device
 from artifacts.digests import digest_json
 from artifacts.errors import LifecycleError
 from training.corpus import CorpusSpec, build_corpus
+from training.shipped_base import ShippedBase, install_shipped, shipped_for, verify_files
 from training.tokenizer import (
     ASSISTANT,
     CHAT_TEMPLATE,
@@ -44,7 +45,7 @@ PRESETS: dict[str, dict[str, object]] = {
                   chats_per_task=300, facts_per_task=100, first_task_repeats=1, safety_repeats=1,
                   plain_sentences=200),
     "default": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=512,
-                    steps=800, batch_size=16, seq_len=128, lr=4e-3, warmup_steps=30,
+                    steps=400, batch_size=16, seq_len=128, lr=4e-3, warmup_steps=30,
                     chats_per_task=5000, facts_per_task=1000, first_task_repeats=3, safety_repeats=2,
                     plain_sentences=1000),
 }
@@ -59,7 +60,8 @@ class BaseModelConfig:
     """Recipe of the embedded base model. ``None`` fields take the preset's value.
 
     ``threads`` and ``device`` ("auto" = CUDA when available) change speed,
-    not the recipe, so they are not part of the cache digest.
+    not the recipe, so they are not part of the cache digest. ``shipped`` says where the weights come from
+    (``training.shipped_base``): the package's checkpoint of this recipe, or pretraining here.
     """
 
     preset: str = "default"
@@ -87,6 +89,7 @@ class BaseModelConfig:
     seed: int = 0
     threads: int = 1  # measured: 1 torch thread beat 2 on the shared 2-core host (0 = leave torch's choice)
     device: str = "auto"
+    shipped: bool = True  # take the checkpoint shipped in the package when it was built from this very recipe
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -121,7 +124,7 @@ class BaseModelConfig:
 
     def recipe(self) -> dict[str, object]:
         """Everything that changes the trained weights (what the cache key is made of)."""
-        speed_only = ("preset", "threads", "device")
+        speed_only = ("preset", "threads", "device", "shipped")
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in speed_only}
         out["recipe_version"] = RECIPE_VERSION
         return out
@@ -151,11 +154,13 @@ class BaseModelConfig:
 
 @dataclass
 class BaseModelBuild:
-    """What `ensure_base_model` did: where the model is and whether it came from the cache."""
+    """What `ensure_base_model` did: where the model is, whether it came from the cache, and its origin
+    (``shipped``: the package's checkpoint; ``pretrained``: trained on this host)."""
 
     path: Path
     cached: bool
     seconds: float
+    origin: str = "pretrained"
 
 
 def default_cache_root() -> Path:
@@ -170,17 +175,32 @@ def build_base_model(config: BaseModelConfig, cache_root: Path | str | None = No
     return ensure_base_model(config, cache_root).path
 
 
+def shipped_checkpoint(config: BaseModelConfig) -> ShippedBase | None:
+    """The package's checkpoint when ``config`` asks for it (``shipped``) and it was built from this recipe."""
+    return shipped_for(config.digest()) if config.shipped else None
+
+
 def ensure_base_model(config: BaseModelConfig, cache_root: Path | str | None = None) -> BaseModelBuild:
+    """The base model of ``config`` under ``cache_root``: the shipped checkpoint installed (and checked against
+    its sha256s) when it was built from this recipe, else pretrained here; either is cached. The two never
+    share a directory, so a model pretrained here is never mistaken for the shipped one."""
     start = time.perf_counter()
     root = Path(cache_root) if cache_root is not None else default_cache_root()
-    target = root / config.digest()[:16]
+    shipped = shipped_checkpoint(config)
+    origin = "shipped" if shipped is not None else "pretrained"
+    target = root / (config.digest()[:16] if shipped is None else f"shipped-{shipped.weights_sha256[:16]}")
     if _is_complete(target):
-        return BaseModelBuild(target, cached=True, seconds=time.perf_counter() - start)
+        if shipped is not None:
+            verify_files(target, shipped.files)
+        return BaseModelBuild(target, cached=True, seconds=time.perf_counter() - start, origin=origin)
     # "keep": when two runs build the same base model at once, the first to finish wins; theirs is as good
     # as ours (same config digest, same seed).
     with staged_directory(target, if_exists="keep") as tmp:
-        _train_into(config, tmp)
-    return BaseModelBuild(target, cached=False, seconds=time.perf_counter() - start)
+        if shipped is not None:
+            install_shipped(shipped, tmp)
+        else:
+            _train_into(config, tmp)
+    return BaseModelBuild(target, cached=False, seconds=time.perf_counter() - start, origin=origin)
 
 
 def _is_complete(path: Path) -> bool:
