@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from artifacts.common.atomic import atomic_write_json, staged_directory
+from artifacts.common.config_loader import build_dataclass, read_yaml_mapping
 from artifacts.digests import sha256_file
 from artifacts.errors import LifecycleError
 from training.base_model import RECIPE_FILE, BaseModelConfig, _train_into
@@ -69,19 +70,25 @@ def ship(config: BaseModelConfig, directory: Path = SHIPPED_DIR, source: Path | 
     return shipped
 
 
-def main(argv: list[str] | None = None) -> int:
-    from flows.recipe import load_recipe
+def embedded_config(recipe_path: Path) -> BaseModelConfig:
+    """The ``base.embedded`` section of a recipe file (read here, not through the flows' recipe loader: the
+    training room does not reach up into the pipeline's)."""
+    base = read_yaml_mapping(recipe_path).get("base") or {}
+    if not isinstance(base, dict):
+        raise LifecycleError(f"{recipe_path}: base: expected a mapping")
+    if base.get("source", "embedded") != "embedded":
+        raise LifecycleError(f"{recipe_path}: base.source is {base['source']!r}, not embedded")
+    return build_dataclass(BaseModelConfig, base.get("embedded"), key="base.embedded", source=recipe_path)
 
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", type=Path, help="the recipe whose base.embedded section the package ships")
     parser.add_argument("--from", dest="source", type=Path, help="a base already pretrained from that recipe")
     parser.add_argument("--into", type=Path, default=SHIPPED_DIR, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe)
-        if not recipe.base.is_embedded:
-            raise LifecycleError(f"{args.recipe}: base.source is {recipe.base.source!r}, not embedded")
-        shipped = ship(recipe.base.embedded, args.into, args.source)
+        shipped = ship(embedded_config(args.recipe), args.into, args.source)
     except LifecycleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -15,8 +15,8 @@ import torch
 from flows.recipe import load_recipe
 from training.base_model import BaseModelConfig, ensure_base_model, shipped_checkpoint
 from training.greedy_accuracy import greedy_accuracy
+from training.ship_base import embedded_config, ship
 from training.ship_base import main as ship_main
-from training.ship_base import ship
 from training.shipped_base import (
     DIGESTS_FILE,
     SHIPPED_DIR,
@@ -100,6 +100,9 @@ def test_ship_writes_a_checkpoint_with_digests_and_refuses_another_recipes_model
     recipe.write_text("name: m\nbase: {source: embedded, embedded: {preset: micro, seed: 1}}\n")
     assert ship_main([str(recipe), "--from", str(micro_base_dir), "--into", str(tmp_path / "ship3")]) == 2
     assert not (tmp_path / "ship3").exists()
+    assert embedded_config(DEFAULT_RECIPE) == load_recipe(DEFAULT_RECIPE).base.embedded  # the CLI reads what runs
+    recipe.write_text("name: m\nbase: {source: /some/model}\n")
+    assert ship_main([str(recipe), "--into", str(tmp_path / "ship4")]) == 2
 
 
 def test_a_missing_shipped_file_is_named(tmp_path):
