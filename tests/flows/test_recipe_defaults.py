@@ -40,5 +40,5 @@ def test_a_recipe_that_leaves_them_out_is_told_which_defaults_apply(tmp_path):
     assert sft == (f"{recipe}: training.sft: max_steps not set, so the defaults (max_steps={steps}) apply; set them "
                    "for your model (configs/default.yaml has the values tuned for the embedded base)")
     assert dpo.startswith(f"{recipe}: training.dpo: learning_rate, max_steps, beta, sft_weight not set")
-    assert "learning_rate=0.0002" in dpo and "sft_weight=1.0" in dpo
+    assert "learning_rate=0.0001" in dpo and "sft_weight=1.0" in dpo
     assert GRPOStageConfig().temperature  # the grpo keys exist, they were skipped because the stage is off
