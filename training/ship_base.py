@@ -25,6 +25,7 @@ import torch
 
 from artifacts.common.atomic import atomic_write_json, staged_directory
 from artifacts.common.config_loader import build_dataclass, read_yaml_mapping
+from artifacts.common.host import cpuinfo_field
 from artifacts.digests import sha256_file
 from artifacts.errors import LifecycleError
 from training.base_model import RECIPE_FILE, BaseModelConfig, _train_into
@@ -33,13 +34,7 @@ from training.shipped_base import DIGESTS_FILE, SHIPPED_DIR, WEIGHTS_FILE, Shipp
 
 def host_cpu() -> str:
     """The CPU model as ``lscpu`` names it (the shipped base records the host that pretrained it)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def ship(config: BaseModelConfig, directory: Path = SHIPPED_DIR, source: Path | None = None) -> ShippedBase:
@@ -47,6 +42,8 @@ def ship(config: BaseModelConfig, directory: Path = SHIPPED_DIR, source: Path | 
     ``directory`` with the sha256 of every file; the old contents are replaced in one rename."""
     digest = config.digest()
     if source is not None:
+        if not source.is_dir():
+            raise LifecycleError(f"{source}: not a directory (--from takes a base the pipeline pretrained)")
         recipe = json.loads((source / RECIPE_FILE).read_text()) if (source / RECIPE_FILE).is_file() else {}
         if recipe.get("digest") != digest:
             raise LifecycleError(f"{source / RECIPE_FILE}: recipe digest {str(recipe.get('digest'))[:16]} is not "

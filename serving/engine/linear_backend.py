@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from artifacts.common.host import cpuinfo_field
 
 __all__ = ["GEMM_ENV", "MKL_PACK_ROWS", "cpu_vendor", "mkl_packed_works", "use_mkl_packed"]
 
@@ -34,16 +35,9 @@ GEMM_ENV = "LLM_LIFECYCLE_CPU_GEMM"
 MKL_PACK_ROWS = 64  # the row count weights are packed for (any row count is then served; see above)
 
 
-@functools.cache
 def cpu_vendor() -> str:
     """``GenuineIntel``, ``AuthenticAMD``, ... from /proc/cpuinfo; "" where it cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo_field("vendor_id")
 
 
 @functools.cache

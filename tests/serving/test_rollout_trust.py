@@ -146,17 +146,22 @@ def test_a_a_through_deploy_is_never_rolled_back_and_a_waiver_gets_past_a_missin
         deploy("stop", *common, home=home)
 
 
-def test_probes_roll_back_a_candidate_that_lost_the_skill(tmp_path, taught, tiny_model_dir):
-    model, data = taught
-    registry = register_versions(tmp_path, {"a": model, "b": tiny_model_dir})
-    with fleet(tmp_path, model, tiny_model_dir) as f:
+def _roll_out(tmp_path: Path, data: Path, champion: Path, candidate: Path):
+    """A rollout of ``candidate`` (v2) against ``champion`` (v1) under the probe plan, with traffic; its end state."""
+    registry = register_versions(tmp_path, {"a": champion, "b": candidate})
+    with fleet(tmp_path, champion, candidate) as f:
         traffic = TrafficGenerator(f["gateway_url"], f["user_key"], TrafficSpec(
             data_dir=str(data), concurrency=3, max_tokens=12), model=MODEL).start()
         try:
             controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "b", _probe_plan(data)))
-            state = controller.run_until_done(max_seconds=180)
+            return controller.run_until_done(max_seconds=180)
         finally:
             traffic.stop()
+
+
+def test_probes_roll_back_a_candidate_that_lost_the_skill(tmp_path, taught, tiny_model_dir):
+    model, data = taught
+    state = _roll_out(tmp_path, data, model, tiny_model_dir)
     assert state.phase == "rolled_back", state.reason
     shadow = {v["gate"]: v for v in state.analyses[-1]["verdicts"]}
     assert shadow["probe_accuracy"]["outcome"] == "fail" and shadow["probe_accuracy"]["critical"]
@@ -175,15 +180,7 @@ def test_probes_roll_back_a_candidate_that_lost_only_its_sampled_answers(tmp_pat
     shutil.copytree(model, hot)
     config = json.loads((hot / "generation_config.json").read_text())
     (hot / "generation_config.json").write_text(json.dumps(config | {"do_sample": True, "temperature": 3.0}))
-    registry = register_versions(tmp_path, {"a": model, "b": hot})
-    with fleet(tmp_path, model, hot) as f:
-        traffic = TrafficGenerator(f["gateway_url"], f["user_key"], TrafficSpec(
-            data_dir=str(data), concurrency=3, max_tokens=12), model=MODEL).start()
-        try:
-            controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "b", _probe_plan(data)))
-            state = controller.run_until_done(max_seconds=180)
-        finally:
-            traffic.stop()
+    state = _roll_out(tmp_path, data, model, hot)
     assert state.phase == "rolled_back", state.reason
     shadow = {v["gate"]: v for v in state.analyses[-1]["verdicts"]}
     assert shadow["probe_accuracy"]["outcome"] == "pass"  # the greedy answers are the champion's
