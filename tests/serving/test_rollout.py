@@ -289,8 +289,11 @@ def test_an_inconclusive_fact_pauses_at_once_stays_on_resume_and_a_waiver_by_tag
             client.set_model_version_tag(MODEL, candidate, "rollout.action", "resume")
             state = controller.run_until_done(max_seconds=60, stop_when_waiting=True)
             assert state.phase == "paused"
+            assert "eval_record" in state.reason, state.reason
             shadow_looks = [a for a in state.analyses if a["phase"] == "shadow"]
-            assert len(shadow_looks) == 2
+            # the resumed phase is judged on a new window: its first look may also wait for traffic (an extension,
+            # CI at 651525e) before it pauses again, but every look keeps the gate
+            assert len(shadow_looks) >= 2, [a["summary"] for a in shadow_looks]
             for look in shadow_looks:
                 (verdict,) = [v for v in look["verdicts"] if v["gate"] == "eval_record"]
                 assert verdict["outcome"] == "inconclusive"
