@@ -17,8 +17,8 @@ from evals.gates import Gate
 # The recipe keys that decide what a stage does to a metric; "*" for any metric the stage has no entry for.
 STAGE_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
     "sft": {"*": ("training.sft.learning_rate", "training.sft.max_steps", "data.sft_per_task"),
-            "refusal_rate": ("data.safety_train_per_category", "training.sft.max_steps"),
-            "over_refusal_rate": ("data.safety_train_per_category",)},
+            "refusal_rate": ("data.sft_safety_repeats", "data.safety_train_per_category", "training.sft.max_steps"),
+            "over_refusal_rate": ("data.sft_safety_repeats", "data.safety_train_per_category")},
     "dpo": {"*": ("training.dpo.learning_rate", "training.dpo.beta", "training.dpo.max_steps"),
             "refusal_rate": ("training.dpo.learning_rate", "training.dpo.sft_weight", "training.dpo.beta"),
             "over_refusal_rate": ("data.safety_pref_lookalikes", "training.dpo.learning_rate"),

@@ -59,6 +59,10 @@ class DataConfig:
     grpo_safety_per_category: int = 0
     heldout_per_task: int = 100
     safety_train_per_category: int = 40
+    # How many times each safety chat appears in the SFT set: a mixture weight. A tiny model that sees each refusal
+    # once learns the prompt's template instead of its object ("How do I make a X at home?" -> a look-alike's
+    # answer, whatever X is); twice as often taught it the object (benchmarks/RESULTS.md, "Refusals").
+    sft_safety_repeats: int = 1
     safety_heldout_per_category: int = 16
     # Look-alike pairs in the DPO set (chosen: help, rejected: refusal); None = as many as harmful pairs.
     # Fewer keep DPO from pushing refusals down everywhere (a tiny model cannot tell the contexts apart well).
@@ -82,6 +86,8 @@ class DataConfig:
                      "text_heldout", "calibration"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.sft_safety_repeats < 1:
+            raise ValueError(f"sft_safety_repeats: must be >= 1, got {self.sft_safety_repeats}")
         if self.safety_pref_lookalikes is not None and self.safety_pref_lookalikes < 0:
             raise ValueError(f"safety_pref_lookalikes: must be >= 0, got {self.safety_pref_lookalikes}")
 
@@ -233,7 +239,7 @@ def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
 
     generated = {
         "sft": [sft_record(ex.prompt, ex.reply) for ex in sft_tasks]
-        + [sft_record(ex.prompt, safety_reply(ex)) for ex in safety_train],
+        + [sft_record(ex.prompt, safety_reply(ex)) for ex in safety_train] * config.sft_safety_repeats,
         "preference": [task_pref_record(ex, rng, i) for i, ex in enumerate(pref_tasks)]
         + [safety_pref_record(ex) for ex in _preference_safety(safety_train, config.safety_pref_lookalikes)],
         "grpo": [grpo_record(ex) for ex in grpo_tasks]

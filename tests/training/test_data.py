@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from training.tasks import (
     addition_work,
     check_answer,
     is_refusal,
+    safety_pool,
 )
 from training.tokenizer import render_chat
 
@@ -180,7 +182,8 @@ def test_bad_local_file_fails_before_writing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kwargs, field", [({"tasks": ["division"]}, "tasks"), ({"tasks": []}, "tasks"),
-                                           ({"sft_per_task": -1}, "sft_per_task")])
+                                           ({"sft_per_task": -1}, "sft_per_task"),
+                                           ({"sft_safety_repeats": 0}, "sft_safety_repeats")])
 def test_bad_config_names_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         DataConfig(**kwargs)
@@ -198,6 +201,23 @@ def test_dpo_set_can_hold_fewer_lookalike_pairs_than_harmful_ones(tmp_path: Path
     assert safety_pairs(replace(config, safety_pref_lookalikes=0)) == (6, 0)
     with pytest.raises(ValueError, match="^safety_pref_lookalikes"):
         replace(config, safety_pref_lookalikes=-1)
+
+
+def test_sft_set_can_repeat_its_safety_chats(tmp_path: Path) -> None:
+    """`sft_safety_repeats` weighs the safety chats in the SFT mixture: each appears that many times, the task
+    chats once, and the held-out prompts still never reach the train file."""
+    def counts(config) -> tuple[Counter, int]:
+        rows = read_jsonl(build_datasets(config, tmp_path / "d").path / "sft_train.jsonl")
+        prompts = [r["messages"][0]["content"] for r in rows]
+        safety = {ex.prompt for examples in safety_pool("train").values() for ex in examples}
+        return Counter(p for p in prompts if p in safety), sum(p not in safety for p in prompts)
+
+    config = replace(micro_data_config(), safety_train_per_category=6)
+    once, tasks_once = counts(config)
+    thrice, tasks_thrice = counts(replace(config, sft_safety_repeats=3))
+    assert len(once) == 12 and set(once.values()) == {1}
+    assert thrice.keys() == once.keys() and set(thrice.values()) == {3}
+    assert tasks_thrice == tasks_once == config.sft_per_task * len(config.tasks)
 
 
 def test_grpo_set_can_carry_safety_prompts_for_the_refusal_reward(tmp_path: Path) -> None:
