@@ -29,6 +29,66 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: a named schema. ``strict`` is accepted either way: the engine
+    always holds a reply to its schema (OpenAI's strict mode), so there is no looser mode to fall back to."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _a_json_schema(self) -> JsonSchemaFormat:
+        """A schema that is not JSON Schema at all is refused here, naming its part (the engine's grammar
+        compiler names what it cannot use of a valid one)."""
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+
+        if _nesting(self.schema_) > MAX_SCHEMA_NESTING:  # the checks below recurse a few frames per level
+            raise ValueError(f"schema: nests deeper than {MAX_SCHEMA_NESTING} levels")
+        try:
+            Draft202012Validator.check_schema(self.schema_)
+        except SchemaError as e:
+            where = "".join(f".{p}" for p in e.path)
+            raise ValueError(f"schema{where}: {e.message}") from None
+        except RecursionError:  # a $ref cycle, say
+            raise ValueError("schema: too deeply recursive to check") from None
+        return self
+
+
+MAX_SCHEMA_NESTING = 24
+
+
+def _nesting(value: Any) -> int:
+    """How deep ``value``'s dicts and lists nest, without recursion (a hostile body may nest thousands deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_NESTING:
+                stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (free), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required when type is json_schema")
+        return self
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -55,6 +115,18 @@ class _Sampling(BaseModel):
     # it adds, so a gateway can finish a broken stream on another replica from exactly those tokens
     return_token_ids: StrictBool = False
     user: str | None = None
+    # the reply as JSON (any object, or one schema): held to it by a grammar in the engine's sampler
+    response_format: ResponseFormat | None = None
+    # ours (vLLM has none): the prompt's last N tokens are the reply so far, which the grammar reads first; the
+    # gateway sends it when it finishes a constrained stream on another replica
+    response_prefix_tokens: TokenCount = 0
+
+    @model_validator(mode="after")
+    def _prefix_needs_a_format(self) -> _Sampling:
+        fmt = self.response_format
+        if self.response_prefix_tokens and (fmt is None or fmt.type == "text"):
+            raise ValueError("response_prefix_tokens: needs a json response_format")
+        return self
 
     @model_validator(mode="after")
     def _seed_covers_every_choice(self) -> _Sampling:

@@ -17,6 +17,7 @@ from serving.api.errors import APIError
 from serving.api.protocol import find_lone_surrogate
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_INNER_FIELD = re.compile(r"^(?P<field>[A-Za-z_][\w.]*): (?P<why>.+)$", re.DOTALL)
 
 
 def _field_path(loc: tuple) -> list[str]:
@@ -33,8 +34,13 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> Any:
         # For a field that accepts several shapes pydantic reports one error per shape; the deepest one
         # names what the client most likely meant (`messages.0.content.0.text`, not `content.str`).
         worst = max(e.errors(), key=lambda err: len(_field_path(err.get("loc", ()))))
-        loc = ".".join(_field_path(worst.get("loc", ()))) or None
-        raise APIError(400, f"{loc}: {worst.get('msg')}" if loc else str(worst.get("msg")), param=loc) from e
+        path = _field_path(worst.get("loc", ()))
+        message = str(worst.get("msg")).removeprefix("Value error, ")
+        inner = _INNER_FIELD.match(message)  # a model validator's own "field.sub: why" goes deeper still
+        if inner:
+            path, message = [*path, inner["field"]], inner["why"]
+        loc = ".".join(path) or None
+        raise APIError(400, f"{loc}: {message}" if loc else message, param=loc) from e
 
 
 async def read_json_body(request: Request) -> Any:

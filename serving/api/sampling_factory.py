@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from serving.api.errors import engine_api_error
 from serving.engine import InvalidRequestError, SamplingParams
 from serving.engine.generation_defaults import SamplingDefaults
+from serving.engine.structured_output import StructuredOutput
 
 
 def _pick(requested: Any, model_default: Any, openai_default: Any) -> Any:
@@ -23,6 +25,7 @@ class SamplingFactory:
                  prompt_logprobs: int | None) -> None:
         self.req, self.n, self.defaults = req, req.n, defaults
         self.max_tokens, self.logprobs, self.prompt_logprobs = max_tokens, logprobs, prompt_logprobs
+        self.structured = structured_output(req.response_format, req.response_prefix_tokens)
         try:
             self(0)  # validate once up front
         except InvalidRequestError as e:
@@ -40,4 +43,14 @@ class SamplingFactory:
             logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=_pick(req.repetition_penalty, d.repetition_penalty, 1.0),
-            skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output)
+            skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+            structured=self.structured)
+
+
+def structured_output(fmt: Any, prefix_tokens: int = 0) -> StructuredOutput | None:
+    """The engine's form of a request's ``response_format`` (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    spec = (StructuredOutput("json_object") if fmt.type == "json_object"
+            else StructuredOutput.json_schema(fmt.json_schema.schema_))
+    return dataclasses.replace(spec, prefix_tokens=prefix_tokens)

@@ -35,6 +35,7 @@ from serving.engine.sampling_params import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.engine.sequence import Sequence
 from serving.engine.speculative import LookupThenDraft, NgramProposer, Proposer, SpeculationStats
+from serving.engine.structured_output import GrammarCache, start_matcher
 
 
 class LLMEngine:
@@ -56,6 +57,7 @@ class LLMEngine:
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
         self._ids_in_use: set[str] = set()
+        self._grammar_cache: GrammarCache | None = None
         self.num_steps = 0
 
     @classmethod
@@ -94,6 +96,8 @@ class LLMEngine:
         params = self.validate(list(prompt_token_ids), params or SamplingParams())
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
                        priority=priority, arrival_time=arrival_time or time.monotonic())
+        if params.structured is not None:
+            seq.grammar = start_matcher(self._grammars(), params.structured, seq.prompt_token_ids)
         with self._lock:
             if request_id in self._ids_in_use:
                 raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
@@ -102,6 +106,14 @@ class LLMEngine:
                                      retry_after=1.0)
             self._ids_in_use.add(request_id)
             self._inbox.append(seq)
+
+    def _grammars(self) -> GrammarCache:
+        """The schema compiler, made on the first constrained request (llguidance loads only when used)."""
+        if self._grammar_cache is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError("response_format: this model has no tokenizer to constrain")
+            self._grammar_cache = GrammarCache(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+        return self._grammar_cache
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe); its blocks are freed at the start of the next step."""

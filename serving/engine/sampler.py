@@ -17,6 +17,7 @@ import torch
 
 from serving.engine.host_transfer import HostReadback, PinnedStaging
 from serving.engine.sequence import Sequence
+from serving.engine.structured_output import fill_masks
 
 
 @dataclass
@@ -28,9 +29,10 @@ class SampleResult:
 
 
 def _blocked_ids(seq: Sequence) -> list[int]:
-    """Token ids that may not be produced yet (EOS and stop ids before ``min_tokens``)."""
+    """Token ids that may not be produced yet (EOS and stop ids before ``min_tokens``). A constrained reply's
+    grammar alone decides where it ends: blocking its end could leave it no token at all."""
     p = seq.params
-    if seq.num_output_tokens >= p.min_tokens:
+    if seq.num_output_tokens >= p.min_tokens or seq.grammar is not None:
         return []
     ids = set(p.stop_token_ids)
     if not p.ignore_eos:
@@ -87,6 +89,16 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+    """In place: -inf for every token the row's grammar does not allow next. The masks are filled on the host
+    (the parser state lives there) and sent in one copy; only the constrained rows are touched."""
+    allowed = fill_masks(matchers, logits.shape[1])
+    if logits.device.type != "cpu":
+        allowed = allowed.pin_memory().to(logits.device, non_blocking=True)
+    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 class Sampler:
     """Samples one token per row. Every choice that depends on the requests' parameters is made on the host from
     ``SamplingParams``; the per-row parameters and the ids to block go to the device in one non-blocking copy
@@ -122,11 +134,14 @@ class Sampler:
         blocked = [(i, t) for i, s in enumerate(seqs) for t in _blocked_ids(s) if t < logits.shape[1]]
         sampled = not all(greedy)
         params = self._upload(dev, seqs, greedy, blocked, sampled) if sampled or blocked else {}
-        if any(s.params.has_penalties for s in seqs) or blocked:
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if any(s.params.has_penalties for s in seqs) or blocked or constrained:
             logits = logits.clone()
             apply_penalties(logits, seqs)
             if blocked:
                 logits[params["blocked_rows"], params["blocked_ids"]] = float("-inf")
+            if constrained:
+                apply_grammar_masks(logits, constrained, [seqs[i].grammar for i in constrained])
         tokens = self._sample(logits, seqs, greedy, params) if sampled else logits.argmax(-1)
         n_extra = len(extra)
         if raw_logprobs is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serving.engine.errors import InvalidRequestError
+from serving.engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -36,6 +37,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # what the reply must be (``response_format``): the engine compiles it into a grammar that masks the logits
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

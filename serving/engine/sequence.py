@@ -55,6 +55,8 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     # the request's text so far and its stop strings (None when the model has no tokenizer)
     detokenizer: IncrementalDetokenizer | None = None
+    # the parser state of a constrained reply (``response_format``; serving.engine.structured_output)
+    grammar: object = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

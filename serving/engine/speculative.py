@@ -39,9 +39,13 @@ class SpeculationStats:
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """A running decode whose next token is the argmax of the raw logits (so a guess can be checked exactly)."""
+    """A running decode whose next token is the argmax of the raw logits (so a guess can be checked exactly).
+
+    Not a constrained reply: its next token is the argmax of the *masked* logits, and checking guesses against
+    the grammar would cost a mask per guess on the host, where one row's mask costs about what a guess saves
+    on a CPU replica (benchmarks/RESULTS.md, "Grammar libraries")."""
     p = seq.params
-    return (p.greedy and not p.has_penalties and p.logprobs is None
+    return (p.greedy and not p.has_penalties and p.logprobs is None and seq.grammar is None
             and seq.num_output_tokens >= p.min_tokens and seq.num_tokens - seq.num_computed_tokens == 1)
 
 

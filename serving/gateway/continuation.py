@@ -104,10 +104,19 @@ def _from_token_ids(path: str, body: dict, reading: StreamReading) -> Continuati
         new["max_tokens"] = max(1, 16 - done)
     if isinstance(body.get("min_tokens"), int):
         new["min_tokens"] = max(0, body["min_tokens"] - done)
+    if _constrained(body):  # the grammar reads the reply so far, then holds the rest to the same format
+        new.update(response_format=body["response_format"], response_prefix_tokens=done)
     return Continuation("/v1/completions", new, tokens_before=done, as_chat="chat" in path)
 
 
+def _constrained(body: dict) -> bool:
+    fmt = body.get("response_format")
+    return isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
+
+
 def _from_text(path: str, body: dict, partial: str, chunks: int) -> Continuation | None:
+    if partial and _constrained(body):
+        return None  # without the tokens the grammar cannot be brought to where the reply stopped
     new = dict(body)
     for name in ("max_completion_tokens", "max_tokens"):
         if isinstance(body.get(name), int):
