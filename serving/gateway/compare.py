@@ -3,8 +3,9 @@
 Exact match alone is a weak signal (batch composition changes floating-point reductions, so even one
 model diverges from itself), so each pair also records what the reply *means* under the project's reply
 contract (``evals.scoring``): the parsed answer and whether it refuses. ``agree`` is the behavioural
-verdict the rollout gates count: the texts are equal, or both state the same answer, and neither refuses
-where the other does not. The rest (first divergence, length ratio, similarity) ranks disagreements for a
+verdict the rollout gates count: the texts are equal, or both are the same JSON value (a structured reply:
+key order and whitespace are not behaviour), or both state the same answer and neither refuses where the other
+does not. The rest (first divergence, length ratio, similarity) ranks disagreements for a
 person to read.
 """
 
@@ -14,6 +15,8 @@ import difflib
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+import orjson
 
 from evals.scoring import answers_match, parse_answer
 from evals.scoring import is_refusal as _is_refusal
@@ -33,6 +36,7 @@ class PairComparison:
     length_ratio: float  # shadow length / primary length, in tokens (1.0 when both are empty)
     similarity: float  # 0..1, character-level (difflib ratio)
     agree: bool
+    same_json: bool | None = None  # None unless both replies are JSON objects or arrays
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -58,5 +62,20 @@ def compare_replies(primary: str, shadow: str,
     exact = primary == shadow
     ratio = (len(ts) / len(tp)) if tp else (1.0 if not ts else float(len(ts)))
     similarity = 1.0 if exact else difflib.SequenceMatcher(None, primary[:2000], shadow[:2000]).ratio()
-    agree = exact or (bool(same_answer) and rp == rs)
-    return PairComparison(exact, same_answer, ap, ash, rp, rs, first, round(ratio, 4), round(similarity, 4), agree)
+    jp, js = _json_value(primary), _json_value(shadow)
+    same_json = None if jp is None or js is None else jp == js
+    agree = exact or bool(same_json) or (bool(same_answer) and rp == rs)
+    return PairComparison(exact, same_answer, ap, ash, rp, rs, first, round(ratio, 4), round(similarity, 4), agree,
+                          same_json)
+
+
+def _json_value(text: str) -> dict | list | None:
+    """The reply as a JSON object or array (what ``response_format`` asks for), else None."""
+    stripped = text.strip()
+    if not stripped.startswith(("{", "[")):
+        return None
+    try:
+        value = orjson.loads(stripped)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict | list) else None

@@ -210,3 +210,54 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_model_back(server):
             assert isinstance(choice.message.parsed, Order)
             parsed += 1
     assert parsed >= 3
+
+
+# ----------------------------------------------------------------------------- the shadow's comparison
+@pytest.mark.parametrize("primary, shadow, same_json, agree", [
+    ('{"a": 1, "b": [true, null]}', '{"b":[true,null],"a":1}', True, True),  # key order, whitespace: not behaviour
+    ('{"a": 1}', '{"a": 2}', False, False),
+    ('{"a": 1}', '{"a": 1', None, False),  # one side cut by max_tokens
+    ("[1, 2]", "[2, 1]", False, False),
+    ("Answer: 3", "Answer: 3", None, True),  # plain replies are compared as before
+])
+def test_a_shadow_pair_of_json_replies_is_compared_as_json(primary, shadow, same_json, agree):
+    from serving.gateway.compare import compare_replies
+
+    cmp = compare_replies(primary, shadow)
+    assert (cmp.same_json, cmp.agree) == (same_json, agree)
+
+
+def test_response_format_passes_through_the_gateway_and_its_shadow(tmp_path, tiny_model_dir):
+    """Through the gateway, with every request mirrored to a shadow of the same weights: the user gets valid
+    JSON, streamed or not, and the shadow's greedy JSON replies are counted as agreeing."""
+    import time
+
+    import httpx
+
+    from tests.serving.fleet_support import bearer, engine_thread
+    from tests.serving.test_gateway import MODEL, gateway, window
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "tag": {"enum": ["a", "b"]}},
+              "required": ["n", "tag"], "additionalProperties": False}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 40,
+            "temperature": 0, "response_format": _json_schema_format(schema)}
+    with engine_thread(tiny_model_dir, "tiny-a") as replica, engine_thread(tiny_model_dir, "tiny-b") as twin, \
+            gateway(tmp_path, [replica], shadow=[twin], shadow_fraction=1.0) as (base, user, admin, _):
+        since = time.time() - 1
+        reply = httpx.post(f"{base}/v1/chat/completions", json=body, headers=bearer(user), timeout=60)
+        assert reply.status_code == 200, reply.text
+        Draft202012Validator(schema).validate(json.loads(reply.json()["choices"][0]["message"]["content"]))
+        streamed = httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": True}, headers=bearer(user),
+                              timeout=60)
+        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in streamed.text.splitlines()
+                       if line.startswith("data: {") and json.loads(line[6:]).get("choices"))
+        Draft202012Validator(schema).validate(json.loads(text))
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            pairs = window(base, admin, since)["pairs"]
+            if pairs and pairs[0]["compared"] >= 2:
+                break
+            time.sleep(0.2)
+        assert pairs[0]["compared"] >= 2 and pairs[0]["agree"] == pairs[0]["compared"], pairs
