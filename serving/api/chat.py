@@ -14,36 +14,56 @@ from serving.api.openai_serving import OpenAIServing, finite
 from serving.api.protocol import ChatCompletionRequest, TextContentPart
 from serving.api.sampling_factory import SamplingFactory
 from serving.api.sse import TokenIdsOut
+from serving.api.tool_calls import (
+    StreamedChoice,
+    ToolPlan,
+    call_schema,
+    fallback_messages,
+    parse_calls,
+    plan_tools,
+    template_messages,
+    template_takes_tools,
+)
 from serving.engine import RequestOutput
+from serving.engine.structured_output import StructuredOutput
 
 
 class ChatServing(OpenAIServing):
     async def create(self, request: Request) -> Any:
         req: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
-        ids = self._prompt(req)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        ids = self._prompt(req, plan)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
         top = req.top_logprobs or 0
+        held_to_calls = (StructuredOutput.json_schema(call_schema(plan), where="tools")
+                         if plan is not None and plan.constrained else None)
         make = SamplingFactory(req, self.state.engine.sampling_defaults, max_tokens,
-                               top if req.logprobs else None, None)
+                               top if req.logprobs else None, None, structured=held_to_calls)
         gen = self.start(request, "chatcmpl", [ids], make)
         if req.stream:
-            return self.respond(request, self._stream(req, gen, top))
+            return self.respond(request, self._stream(req, gen, top, plan))
         outs = await self.gather(gen, request)
-        choices = [{"index": sub.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": self._logprobs(o.token_ids, o.outputs[0].logprobs, top) if req.logprobs else None,
-                    "finish_reason": o.finish_reason} for sub, o in zip(gen.subs, outs)]
+        choices = [{"index": sub.index, **_message(o, plan),
+                    "logprobs": self._logprobs(o.token_ids, o.outputs[0].logprobs, top) if req.logprobs else None}
+                   for sub, o in zip(gen.subs, outs)]
         return self.respond(request, self.answer(gen, "chat.completion", choices, outs))
 
-    def _prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None) -> list[int]:
         tok = self.tok
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": _text_of(m.content, f"messages.{i}.content")}
+        messages = [{**_tool_fields(m, i), "role": m.role, "content": _text_of(m.content, f"messages.{i}.content")}
                     for i, m in enumerate(req.messages)]
+        tools = None
+        if plan is not None and template_takes_tools(tok):
+            messages, tools = template_messages(messages), [dict(t) for t in plan.tools]
+        elif plan is not None:
+            messages = fallback_messages(messages, plan)
         try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+            text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt,
                                            continue_final_message=req.continue_final_message)
         except Exception as e:  # template errors come from user content (jinja raise_exception)
             raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
@@ -62,8 +82,10 @@ class ChatServing(OpenAIServing):
                             "top_logprobs": alts})
         return {"content": content}
 
-    def _stream(self, req: ChatCompletionRequest, gen: Generation, top: int) -> AsyncIterator[str]:
+    def _stream(self, req: ChatCompletionRequest, gen: Generation, top: int,
+                plan: ToolPlan | None) -> AsyncIterator[str]:
         ids = TokenIdsOut(req.return_token_ids, gen)
+        readers = {sub.index: StreamedChoice(plan) for sub in gen.subs} if plan is not None else {}
 
         def opening() -> list[dict[str, Any]]:  # the role first, once per choice
             return [{"choices": [{"index": sub.index, "delta": {"role": "assistant", "content": ""},
@@ -72,13 +94,45 @@ class ChatServing(OpenAIServing):
         def chunk(sub: SubRequest, o: RequestOutput) -> dict[str, Any] | None:
             if not (o.delta_text or o.finished):
                 return None
-            delta = {"content": o.delta_text} if o.delta_text else {}
+            text, calls, reason = o.delta_text, [], o.finish_reason if o.finished else None
+            if sub.index in readers:
+                text, calls, reason = readers[sub.index].feed(o.delta_text, reason)
+                if not (text or calls or reason):
+                    return None
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = calls
             lp = self._logprobs(o.delta_token_ids, o.delta_logprobs, top) if req.logprobs else None
-            return {"choices": [{"index": sub.index, "delta": delta, "logprobs": lp,
-                                 "finish_reason": o.finish_reason if o.finished else None, **ids.take(sub)}]}
+            return {"choices": [{"index": sub.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
+                                 **ids.take(sub)}]}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return self.sse_stream(gen, "chat.completion.chunk", ids, include_usage, chunk, opening)
+
+
+def _message(o: RequestOutput, plan: ToolPlan | None) -> dict[str, Any]:
+    """A whole choice's ``message`` and ``finish_reason``: the calls it makes, or its text."""
+    calls = parse_calls(o.text, plan) if plan is not None and o.finish_reason == "stop" else None
+    if calls:
+        return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
+    return {"message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason}
+
+
+def _tool_fields(message: Any, i: int) -> dict[str, Any]:
+    """An assistant message's earlier ``tool_calls`` and a tool message's ``tool_call_id``, as the template reads
+    them (and the fallback rewrites them)."""
+    extra = message.model_extra or {}
+    out = {}
+    if isinstance(extra.get("tool_calls"), list):
+        for j, call in enumerate(extra["tool_calls"]):
+            if not (isinstance(call, dict) and isinstance(call.get("function"), dict)
+                    and isinstance(call["function"].get("name"), str)):
+                raise APIError(400, f"messages.{i}.tool_calls.{j}.function.name: a call needs a function name",
+                               param=f"messages.{i}.tool_calls.{j}.function.name")
+        out["tool_calls"] = extra["tool_calls"]
+    if isinstance(extra.get("tool_call_id"), str):
+        out["tool_call_id"] = extra["tool_call_id"]
+    return out
 
 
 def _text_of(content: str | list[TextContentPart] | None, where: str) -> str:

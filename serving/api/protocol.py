@@ -44,22 +44,27 @@ class JsonSchemaFormat(BaseModel):
     def _a_json_schema(self) -> JsonSchemaFormat:
         """A schema that is not JSON Schema at all is refused here, naming its part (the engine's grammar
         compiler names what it cannot use of a valid one)."""
-        from jsonschema import Draft202012Validator
-        from jsonschema.exceptions import SchemaError
-
-        if _nesting(self.schema_) > MAX_SCHEMA_NESTING:  # the checks below recurse a few frames per level
-            raise ValueError(f"schema: nests deeper than {MAX_SCHEMA_NESTING} levels")
-        try:
-            Draft202012Validator.check_schema(self.schema_)
-        except SchemaError as e:
-            where = "".join(f".{p}" for p in e.path)
-            raise ValueError(f"schema{where}: {e.message}") from None
-        except RecursionError:  # a $ref cycle, say
-            raise ValueError("schema: too deeply recursive to check") from None
+        check_json_schema(self.schema_, "schema")
         return self
 
 
 MAX_SCHEMA_NESTING = 24
+
+
+def check_json_schema(schema: dict, field: str) -> None:
+    """ValueError ``"<field>.<path>: why"`` unless ``schema`` is JSON Schema (draft 2020-12) of sane depth."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    if _nesting(schema) > MAX_SCHEMA_NESTING:  # the checks below recurse a few frames per level
+        raise ValueError(f"{field}: nests deeper than {MAX_SCHEMA_NESTING} levels")
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        where = "".join(f".{p}" for p in e.path)
+        raise ValueError(f"{field}{where}: {e.message}") from None
+    except RecursionError:  # a $ref cycle, say
+        raise ValueError(f"{field}: too deeply recursive to check") from None
 
 
 def _nesting(value: Any) -> int:
@@ -161,8 +166,44 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[TextContentPart] | None = None
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _parameters_are_a_schema(self) -> FunctionSpec:
+        if self.parameters is not None:
+            check_json_schema(self.parameters, "parameters")
+        return self
+
+
+class ToolSpec(BaseModel):
+    """OpenAI's ``tools[i]``: a function the model may call, its arguments described by a JSON schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False

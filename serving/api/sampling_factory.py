@@ -22,10 +22,11 @@ class SamplingFactory:
     """SamplingParams for each choice (choice i samples with seed + i); ``n`` choices, n engine requests."""
 
     def __init__(self, req: Any, defaults: SamplingDefaults, max_tokens: int | None, logprobs: int | None,
-                 prompt_logprobs: int | None) -> None:
+                 prompt_logprobs: int | None, structured: StructuredOutput | None = None) -> None:
         self.req, self.n, self.defaults = req, req.n, defaults
         self.max_tokens, self.logprobs, self.prompt_logprobs = max_tokens, logprobs, prompt_logprobs
-        self.structured = structured_output(req.response_format, req.response_prefix_tokens)
+        # a format the handler imposes (calls a request's tool_choice requires) goes before the request's own
+        self.structured = structured or structured_output(req.response_format, req.response_prefix_tokens)
         try:
             self(0)  # validate once up front
         except InvalidRequestError as e:

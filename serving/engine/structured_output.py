@@ -31,7 +31,7 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What a reply must be: ``json_object`` (any object) or ``json_schema`` (this schema, as canonical JSON text,
+    """What a reply must be: ``json_object`` (any object) or ``json_schema`` (this schema, as compact JSON text,
     which is also the cache key). ``where`` names the request field for error messages."""
 
     kind: Literal["json_object", "json_schema"]
@@ -43,7 +43,8 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict, where: str = "response_format.json_schema.schema") -> StructuredOutput:
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), where)
+        # keys in the client's order: a reply writes an object's properties in the order its schema lists them
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), where)
 
 
 class GrammarCache:

@@ -1,0 +1,239 @@
+"""Tool calling (OpenAI's ``tools`` and ``tool_choice``): what the model is shown, what it may write, what the
+client reads back.
+
+Two ways a model calls a tool:
+
+- **its chat template's own format**, where the template takes ``tools`` (Llama 3.1 writes
+  ``{"name": ..., "parameters": {...}}``, Qwen2.5 wraps ``{"name": ..., "arguments": {...}}`` in
+  ``<tool_call>`` tags): the tools go to the template and the reply is parsed in that format;
+- **the fallback** for templates without tools (ours among them): a system message lists the tools and asks for
+  a JSON array of calls, ``[{"name": ..., "arguments": {...}}]``.
+
+``tool_choice`` ``required`` or a named function holds the reply to that array with a grammar (the JSON schema
+``call_schema`` builds, enforced like any ``response_format``), so the calls parse and their arguments validate
+whatever the model. ``auto`` leaves the model free and reads a call out of its reply if it wrote one; ``none``
+never reads one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.api.errors import APIError
+
+FALLBACK_INSTRUCTIONS = ("You can call these functions. To call one or more, reply with only a JSON array of calls, "
+                         'like [{"name": "a_function", "arguments": {"a": 1}}].\nFunctions:\n')
+_TAGGED_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A request's tools and how it lets the model use them (``choice``: none, auto, required or named)."""
+
+    tools: tuple[dict, ...]
+    choice: str
+    name: str | None = None  # the function a named choice forces
+    parallel: bool = True
+
+    @property
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools}
+
+    @property
+    def constrained(self) -> bool:
+        return self.choice in ("required", "named")
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolPlan | None:
+    """The request's plan; None when it brings no tools. A choice naming a function it did not send is a 400."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice: needs tools", param="tool_choice")
+        return None
+    specs = tuple(t.model_dump(exclude_none=True) for t in tools)
+    if tool_choice is None or isinstance(tool_choice, str):
+        return ToolPlan(specs, tool_choice or "auto", parallel=parallel is not False)
+    name = tool_choice.function.name
+    if name not in {t["function"]["name"] for t in specs}:
+        raise APIError(400, f"tool_choice.function.name: no tool named {name!r} in tools",
+                       param="tool_choice.function.name")
+    return ToolPlan(specs, "named", name, parallel=False)
+
+
+def call_schema(plan: ToolPlan) -> dict:
+    """The JSON schema of the fallback reply: an array of calls to the plan's tools (one, unless parallel)."""
+    tools = [t for t in plan.tools if plan.name is None or t["function"]["name"] == plan.name]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
+    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {"type": "array", "items": item, "minItems": 1, "maxItems": 8 if plan.parallel else 1}
+
+
+def template_takes_tools(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def fallback_messages(messages: list[dict], plan: ToolPlan) -> list[dict]:
+    """The conversation for a template without tools: the tools described in the system message, earlier calls
+    written as the JSON arrays the model is asked for, tool results as messages of role ``tool``."""
+    listing = json.dumps([t["function"] for t in plan.tools], separators=(",", ":"))
+    out = [dict(m) for m in messages]
+    for m in out:
+        if m.get("tool_calls"):
+            m["content"] = json.dumps([{"name": c["function"]["name"], "arguments": _arguments(c)}
+                                       for c in m.pop("tool_calls")], separators=(",", ":"))
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{FALLBACK_INSTRUCTIONS}{listing}"}
+    else:
+        out.insert(0, {"role": "system", "content": FALLBACK_INSTRUCTIONS + listing})
+    return out
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The conversation for a template that takes tools: call arguments as objects (what HF templates expect)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c)}}
+                                     for c in m["tool_calls"]]}
+        out.append(m)
+    return out
+
+
+def _arguments(call: dict) -> Any:
+    arguments = call.get("function", {}).get("arguments")
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:
+    """The OpenAI ``tool_calls`` a reply makes, or None when it is a plain answer (or ``tool_choice`` is none).
+
+    Read in every format we know: the fallback's array, one call object (Llama 3.1 names the arguments
+    ``parameters``), or ``<tool_call>`` blocks (Qwen2.5). A call to a function the request did not send is text."""
+    if plan.choice == "none":
+        return None
+    stripped = text.strip()
+    found: list[Any] = []
+    tagged = _TAGGED_CALL.findall(stripped)
+    try:
+        found = [json.loads(t) for t in tagged] if tagged else [json.loads(stripped)]
+    except json.JSONDecodeError:
+        return None
+    if len(found) == 1 and isinstance(found[0], list):
+        found = found[0]
+    calls = []
+    for call in found:
+        if not isinstance(call, dict) or call.get("name") not in plan.names:
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append({"id": new_call_id(), "type": "function",
+                      "function": {"name": call["name"],
+                                   "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}})
+    return calls or None
+
+
+@dataclass
+class CallStream:
+    """Reads the fallback's array as it streams and says, per delta, what OpenAI's chunks carry: a call's
+    ``id`` and ``name`` once the name is complete, then its ``arguments`` text in fragments as they arrive.
+
+    The grammar writes the array compactly, in schema order (``[{"name":"f","arguments":{...}},...]``), so the
+    reader needs no general JSON parser: it finds each name, then follows the arguments object's depth."""
+
+    buffer: str = ""
+    calls: int = 0
+    _pos: int = 0
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+    _in_arguments: bool = False
+    ids: list[str] = field(default_factory=list)
+
+    _NAME = re.compile(r'\{"name":"((?:[^"\\]|\\.)*)","arguments":')
+
+    def feed(self, text: str) -> list[dict]:
+        """The ``tool_calls`` deltas for ``text``, the next piece of the reply."""
+        self.buffer += text
+        deltas: list[dict] = []
+        while self._pos < len(self.buffer):
+            if not self._in_arguments:
+                match = self._NAME.search(self.buffer, self._pos)
+                if match is None:
+                    break
+                self.ids.append(new_call_id())
+                deltas.append({"index": self.calls, "id": self.ids[-1], "type": "function",
+                               "function": {"name": json.loads(f'"{match[1]}"'), "arguments": ""}})
+                self._pos, self._in_arguments, self._depth = match.end(), True, 0
+                continue
+            start = self._pos
+            while self._pos < len(self.buffer):
+                ch = self.buffer[self._pos]
+                self._pos += 1
+                if self._in_string:
+                    if self._escaped:
+                        self._escaped = False
+                    elif ch == "\\":
+                        self._escaped = True
+                    elif ch == '"':
+                        self._in_string = False
+                elif ch == '"':
+                    self._in_string = True
+                elif ch in "{[":
+                    self._depth += 1
+                elif ch in "}]":
+                    self._depth -= 1
+                    if self._depth == 0:
+                        self._in_arguments = False
+                        break
+            deltas.append({"index": self.calls, "function": {"arguments": self.buffer[start:self._pos]}})
+            if not self._in_arguments:
+                self.calls += 1
+        return deltas
+
+
+@dataclass
+class StreamedChoice:
+    """One streamed choice of a request with tools: each text delta becomes the chunk's ``content`` and/or
+    ``tool_calls`` deltas. A constrained reply is all calls (read by ``CallStream`` as it comes). Under ``auto``
+    a reply that starts like a call (``[``, ``{``, ``<tool_call>``) is held until it ends, then sent as calls if
+    it is one, as text if not; any other reply streams as text from its first token."""
+
+    plan: ToolPlan
+    calls: CallStream = field(default_factory=CallStream)
+    held: str = ""
+    streaming_text: bool = False
+
+    def feed(self, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """(content, tool_calls deltas, finish_reason) for the next delta; ``finish_reason`` on the last one."""
+        reason = finish_reason
+        if self.plan.constrained:
+            deltas = self.calls.feed(text)
+            return "", deltas, ("tool_calls" if finish_reason == "stop" and self.calls.calls else reason)
+        if self.plan.choice == "none" or self.streaming_text:
+            return text, [], reason
+        self.held += text
+        head = self.held.lstrip()
+        maybe_call = head[:1] in ("[", "{") or "<tool_call>".startswith(head[:11]) or head.startswith("<tool_call>")
+        if finish_reason is None and (not head or maybe_call):
+            return "", [], None
+        calls = parse_calls(self.held, self.plan) if finish_reason is not None and maybe_call else None
+        if calls:
+            deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+            return "", deltas, ("tool_calls" if finish_reason == "stop" else reason)
+        self.streaming_text, held, self.held = True, self.held, ""
+        return held, [], reason
