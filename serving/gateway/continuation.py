@@ -70,8 +70,8 @@ def _chat_choice(choice: dict) -> dict:
 
 def continuation(path: str, body: dict, reading: StreamReading) -> Continuation | None:
     """The request that finishes the answer ``reading`` holds so far; None when it cannot be expressed."""
-    if body.get("n", 1) != 1:
-        return None
+    if body.get("n", 1) != 1 or _held_to_tool_calls(body):
+        return None  # (the completions endpoint a continuation uses has no tools to hold it to)
     if reading.prompt_token_ids is not None:
         resumed = _from_token_ids(path, body, reading)
     else:
@@ -107,6 +107,11 @@ def _from_token_ids(path: str, body: dict, reading: StreamReading) -> Continuati
     if _constrained(body):  # the grammar reads the reply so far, then holds the rest to the same format
         new.update(response_format=body["response_format"], response_prefix_tokens=done)
     return Continuation("/v1/completions", new, tokens_before=done, as_chat="chat" in path)
+
+
+def _held_to_tool_calls(body: dict) -> bool:
+    return bool(body.get("tools")) and (body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"),
+                                                                                        dict))
 
 
 def _constrained(body: dict) -> bool:

@@ -57,8 +57,10 @@ class StreamReading:
 
     @property
     def text(self) -> str:
-        """The first choice's text so far (parsed only when asked)."""
-        parts = []
+        """The first choice's text so far (parsed only when asked), its tool calls after it as ``calls_text``
+        writes them."""
+        parts: list[str] = []
+        calls: dict[int, dict] = {}
         for payload in self.events:
             try:
                 event = orjson.loads(payload)
@@ -67,7 +69,12 @@ class StreamReading:
             for choice in event.get("choices") or []:
                 if choice.get("index", 0) == 0:
                     parts.append(_choice_text(choice))
-        return "".join(parts)
+                    for delta in (choice.get("delta") or {}).get("tool_calls") or []:
+                        call = calls.setdefault(delta.get("index", 0), {"function": {"name": "", "arguments": ""}})
+                        function = delta.get("function") or {}
+                        call["function"]["name"] += function.get("name") or ""
+                        call["function"]["arguments"] += function.get("arguments") or ""
+        return "".join(parts) + (calls_text([calls[i] for i in sorted(calls)]) if calls else "")
 
     @property
     def chunks(self) -> int:
@@ -142,11 +149,28 @@ def _choice_text(choice: dict[str, Any]) -> str:
 
 
 def response_text(payload: dict[str, Any]) -> str:
-    """The first choice's text of a non-streamed completion or chat completion."""
+    """The first choice's text of a non-streamed completion or chat completion, its tool calls after it."""
     choices = payload.get("choices") or []
     if not choices:
         return ""
     first = choices[0]
     if "text" in first:
         return first.get("text") or ""
-    return ((first.get("message") or {}).get("content")) or ""
+    message = first.get("message") or {}
+    calls = message.get("tool_calls")
+    return (message.get("content") or "") + (calls_text(calls) if isinstance(calls, list) and calls else "")
+
+
+def calls_text(calls: list[dict[str, Any]]) -> str:
+    """Tool calls as one JSON array of ``{"name", "arguments"}`` with the arguments parsed: what a shadow pair
+    compares (as JSON: the same call with its keys in another order agrees), whatever the calls' ids."""
+    out = []
+    for call in calls:
+        function = call.get("function") or {} if isinstance(call, dict) else {}
+        arguments = function.get("arguments")
+        try:
+            arguments = orjson.loads(arguments) if isinstance(arguments, str) else arguments
+        except orjson.JSONDecodeError:
+            pass
+        out.append({"name": function.get("name"), "arguments": arguments})
+    return orjson.dumps(out).decode()

@@ -174,3 +174,40 @@ def test_a_bad_tool_request_is_a_400_naming_its_part(server, body, param):
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+# ----------------------------------------------------------------------------- what a shadow pair compares
+def test_a_shadow_pair_compares_tool_calls_by_name_and_arguments_streamed_or_not():
+    import orjson
+
+    from serving.gateway.compare import compare_replies
+    from serving.gateway.sse import StreamReading, response_text
+
+    def answer(arguments: str, call_id: str) -> dict:
+        return {"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}}]}
+
+    champion = response_text(answer('{"city":"Oslo","days":2}', "call_a"))
+    same = response_text(answer('{"days": 2, "city": "Oslo"}', "call_b"))  # other ids, other key order
+    other = response_text(answer('{"city":"Rome","days":2}', "call_c"))
+    assert compare_replies(champion, same).agree and not compare_replies(champion, other).agree
+    assert response_text({"choices": [{"message": {"content": "hi"}}]}) == "hi"
+    events = [{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_x", "type": "function",
+                                                                  "function": {"name": "get_weather",
+                                                                               "arguments": ""}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                                                                  "function": {"arguments": '{"city":"Os'}}]}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0,
+                                                                  "function": {"arguments": 'lo","days":2}'}}]}}]}]
+    streamed = StreamReading(events=[orjson.dumps(e) for e in events]).text
+    assert compare_replies(champion, streamed).agree and compare_replies(champion, streamed).same_json
+
+
+def test_a_stream_held_to_tool_calls_is_not_continued_as_free_text():
+    from serving.gateway.continuation import continuation
+    from serving.gateway.sse import StreamReading
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"}
+    assert continuation("/v1/chat/completions", body, StreamReading(prompt_token_ids=[1, 2], token_ids=[3])) is None
+    free = {**body, "tool_choice": "auto"}
+    assert continuation("/v1/chat/completions", free, StreamReading(prompt_token_ids=[1, 2], token_ids=[3]))
