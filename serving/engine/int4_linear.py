@@ -34,16 +34,31 @@ without a compiler every layer stays dense.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
 
+from artifacts.common.host import cpuinfo_field
 from serving.engine import cpp_build
 
 TILE = 16  # output rows per tile: one 16-lane vector of fp32
 # Up to this many activation rows the codes are decoded in registers for each chunk of rows; above it, once per
 # call into an L1 buffer that a register-blocked GEMM reads (the crossover measured in benchmarks/NOTEBOOK.md).
 DEFAULT_SMALL_ROWS = 8
+# Without AVX-512, the register path serves up to this many rows, and expanded codes with torch's GEMM above it
+# (K 256, N 1024 on AVX2: 64 rows 1.3 ms in registers against 1.7 ms expanded; 752 rows 6.7 ms expanded)
+NO_AVX512_SMALL_ROWS = 64
+
+@functools.cache
+def kernel_gemm_is_fast() -> bool:
+    """Whether the kernel's own GEMM (more than ``small_rows`` activation rows: prefill, batched decode) is the fast
+    way here. It is register-blocked for AVX-512's 32 vector registers; on an AVX2 host (AMD EPYC, 2026-11-28) it
+    ran 25x slower than fp32 GEMM (M = 752, K = 256, N = 1024: 186 ms against 7.4 ms), and a 4-bit snapshot's
+    prompts took 10x as long as fp32's. There, the codes are expanded to fp32 for the call and torch's GEMM runs
+    (the expansion is N x K element-wise work, small beside M x N x K); decode (few rows) keeps the kernel."""
+    return "avx512f" in cpuinfo_field("flags").split()
+
 
 _module: ModuleType | None = None
 _tried = False
@@ -114,6 +129,21 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
+        small_rows = self.small_rows
+        if not kernel_gemm_is_fast():  # the register path up to where expanding the codes once costs less
+            if x.shape[0] > NO_AVX512_SMALL_ROWS:
+                return torch.nn.functional.linear(x, self.dense(), self.bias)
+            small_rows = max(small_rows, NO_AVX512_SMALL_ROWS)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        self.kernels.int4_linear(x, self.codes, self.scales, self.offsets, self.bias, out, self.small_rows)
+        self.kernels.int4_linear(x, self.codes, self.scales, self.offsets, self.bias, out, small_rows)
         return out
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 weight [N, K] the codes stand for (``s * q - s * z``), expanded for this call only."""
+        t, half, _ = self.codes.shape
+        q = torch.stack((self.codes & 15, self.codes >> 4), dim=2).view(t, half * 2, TILE)  # [T, K, 16]
+        groups = self.scales.shape[1]
+        size = half * 2 // groups
+        q = q.view(t, groups, size, TILE).float()
+        w = q * self.scales[:, :, None, :] - self.offsets[:, :, None, :]  # [T, G, gs, 16]
+        return w.permute(0, 3, 1, 2).reshape(t * TILE, half * 2)

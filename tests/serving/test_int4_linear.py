@@ -49,14 +49,25 @@ def test_matmul_equals_fp32_on_every_path(rows, n, k, group, bias):
     assert torch.allclose(out, expected, rtol=1e-4, atol=1e-4), (out - expected).abs().max()
 
 
-def test_both_paths_agree_on_the_same_rows():
+@pytest.mark.parametrize("kernel_gemm", [True, False], ids=["avx512-kernel-gemm", "expanded-codes"])
+def test_every_path_agrees_on_the_same_rows(monkeypatch, kernel_gemm):
+    """Many rows go through the kernel's own GEMM where it is fast (AVX-512 hosts), else through the codes expanded
+    to fp32 and torch's GEMM: both equal the register path and the fp32 matmul, whatever host runs the test."""
+    monkeypatch.setattr(int4_linear, "kernel_gemm_is_fast", lambda: kernel_gemm)
     weight, scales = on_grid(256, 512, 128, seed=7)
     layer = Int4Linear.from_dense(weight, scales)
-    x = torch.randn(6, 512)
+    x = torch.randn(100, 512)
+    layer.small_rows = 10 ** 9  # every row in registers
     registers = layer(x)
-    layer.small_rows = 0  # force the GEMM path on the same input
-    gemm = layer(x)
-    assert torch.allclose(registers, gemm, rtol=1e-5, atol=1e-5)
+    layer.small_rows = 0  # the many-rows path of this host kind
+    many = layer(x)
+    assert torch.allclose(registers, many, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(many, x @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+def test_the_expanded_codes_are_the_weight():
+    weight, scales = on_grid(80, 128, 32, seed=3)
+    assert torch.allclose(Int4Linear.from_dense(weight, scales).dense(), weight, rtol=0, atol=1e-6)
 
 
 def test_weights_off_a_4bit_grid_stay_dense():
