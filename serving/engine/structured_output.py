@@ -4,7 +4,7 @@ The grammar library is llguidance, chosen by measurement on our own tokenizers (
 "Grammar libraries"): over the same random schemas, every reply a random walk through its masks could write was
 valid JSON for its schema, where xgrammar (5x faster per mask) let raw control characters into strings on the
 embedded tokenizer and 12 of 50 replies did not parse. A mask that admits an invalid reply breaks the one promise
-``response_format`` makes; 35 µs per constrained row per step is a price the host pays beside the forward.
+``response_format`` makes; ~15-35 µs per constrained row per step is a price the host pays beside the forward.
 
 Each request gets its own matcher (the parser state), copied from a pristine one compiled once per schema and
 kept in an LRU (``GrammarCache``): a copy costs ~1.5 µs, a compile ~1-2 ms. The sampler asks each constrained row's
@@ -14,6 +14,7 @@ matcher that has seen a complete reply ends the request with ``finish_reason: st
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -141,15 +142,24 @@ def start_matcher(cache: GrammarCache, spec: StructuredOutput, prompt_token_ids:
 
 
 def fill_masks(matchers: list[Any], vocab_size: int) -> torch.Tensor:
-    """One row of allowed tokens per matcher, as a bool tensor [rows, vocab_size] on the host."""
+    """One row of allowed tokens per matcher, as a bool tensor [rows, vocab_size] on the host.
+
+    The rows are filled by llguidance's own thread pool, outside the GIL: 64 rows of the bench model's vocabulary
+    took 0.96 ms against 2.0 ms one after another on 2 busy cores (2026-11-28)."""
     import llguidance.torch
 
     bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
-    for row, matcher in enumerate(matchers):
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+    llguidance.torch.fill_next_token_bitmask_par(_executor(), [(m, row) for row, m in enumerate(matchers)], bitmask)
     words = bitmask.to(torch.int64) & 0xFFFFFFFF
     bits = (words[:, :, None] >> torch.arange(32)) & 1
     return bits.reshape(len(matchers), -1)[:, :vocab_size].bool()
+
+
+@functools.cache
+def _executor() -> Any:
+    import llguidance
+
+    return llguidance.LLExecutor()
 
 
 def advance(matcher: Any, token: int) -> bool:

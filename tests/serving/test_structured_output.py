@@ -151,15 +151,6 @@ def test_completions_take_json_object_mode(server):
         assert choice["text"].startswith("{")
 
 
-@pytest.mark.parametrize("response_format, param", [
-    ({"type": "xml"}, "response_format.type"),
-    ({"type": "json_schema"}, "response_format.json_schema"),
-    (_json_schema_format({"type": 5}), "response_format.json_schema.schema.type"),
-    (_json_schema_format({"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}),
-     "response_format.json_schema.schema.properties.a.minimum"),
-    (_json_schema_format({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
-     "response_format.json_schema.schema.properties.a.not"),
-])
 def _nested_schema_text(levels: int) -> str:
     """An object schema ``levels`` objects deep, written as text (json.dumps itself recurses)."""
     return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
@@ -178,6 +169,15 @@ def test_a_schema_nested_past_reason_is_a_400_not_a_crash(server, levels, needle
     assert httpx.get(server + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("response_format, param", [
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    (_json_schema_format({"type": 5}), "response_format.json_schema.schema.type"),
+    (_json_schema_format({"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}),
+     "response_format.json_schema.schema.properties.a.minimum"),
+    (_json_schema_format({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+     "response_format.json_schema.schema.properties.a.not"),
+])
 def test_a_bad_response_format_is_a_400_naming_its_part_and_the_server_serves_on(server, response_format, param):
     import httpx
 
