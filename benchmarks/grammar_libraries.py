@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path, action="append", help="an HF tokenizer dir (repeatable)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    for path in args.tokenizer or []:
+        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+            parser.error(f"--tokenizer: {path} is not a Hugging Face tokenizer dir (no tokenizer.json)")
     if args.tokenizer:
         tokenizers = args.tokenizer
     else:

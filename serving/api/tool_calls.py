@@ -228,7 +228,7 @@ class StreamedChoice:
             return text, [], reason
         self.held += text
         head = self.held.lstrip()
-        maybe_call = head[:1] in ("[", "{") or "<tool_call>".startswith(head[:11]) or head.startswith("<tool_call>")
+        maybe_call = head[:1] in ("[", "{") or "<tool_call>".startswith(head[:11])  # the tag, or a prefix of it
         if finish_reason is None and (not head or maybe_call):
             return "", [], None
         calls = parse_calls(self.held, self.plan) if finish_reason is not None and maybe_call else None

@@ -76,7 +76,8 @@ def load() -> ModuleType | None:
 class Int4Linear:
     """``y = x @ w.T + b`` for a weight held as 4-bit codes (see the module docstring); fp32 in and out."""
 
-    __slots__ = ("codes", "scales", "offsets", "bias", "out_features", "in_features", "kernels", "small_rows")
+    __slots__ = ("codes", "scales", "offsets", "bias", "out_features", "in_features", "kernels", "small_rows",
+                 "gemm_in_kernel")
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None,
                  kernels: ModuleType, small_rows: int = DEFAULT_SMALL_ROWS) -> None:
@@ -85,6 +86,7 @@ class Int4Linear:
         self.out_features = codes.shape[0] * TILE
         self.in_features = codes.shape[1] * 2
         self.small_rows = small_rows
+        self.gemm_in_kernel = kernel_gemm_is_fast()  # the host's way for many rows, decided once per layer
         self.kernels = kernels
 
     @classmethod
@@ -130,7 +132,7 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         small_rows = self.small_rows
-        if not kernel_gemm_is_fast():  # the register path up to where expanding the codes once costs less
+        if not self.gemm_in_kernel:  # the register path up to where expanding the codes once costs less
             if x.shape[0] > NO_AVX512_SMALL_ROWS:
                 return torch.nn.functional.linear(x, self.dense(), self.bias)
             small_rows = max(small_rows, NO_AVX512_SMALL_ROWS)

@@ -150,6 +150,8 @@ def fill_masks(matchers: list[Any], vocab_size: int) -> torch.Tensor:
 
     bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
     llguidance.torch.fill_next_token_bitmask_par(_executor(), [(m, row) for row, m in enumerate(matchers)], bitmask)
+    # unpacked here, not by llguidance.torch.apply_token_bitmask_inplace: that one is torch.compile'd, seconds of
+    # compiling (and a C++ compiler) on a replica's first constrained request
     words = bitmask.to(torch.int64) & 0xFFFFFFFF
     bits = (words[:, :, None] >> torch.arange(32)) & 1
     return bits.reshape(len(matchers), -1)[:, :vocab_size].bool()
