@@ -25,7 +25,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --upgrade --quiet pip
 	$(BIN)/pip install --no-compile "$(TORCH)"
 	$(BIN)/pip install --no-compile -r requirements.txt "$(TORCH)"
-	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install --no-compile "$(TRITON)"  # CUDA torch has one
+# a CUDA torch brings the triton it was built with; the CPU wheel brings none, and a package that wants any triton
+# (xgrammar) would pull the newest, whose interpreter refuses kernels written for the device's 3.6: pin it there
+	$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" || $(BIN)/pip install --no-compile "$(TRITON)"
 	$(BIN)/pip install --no-deps -e .
 # byte-compile once, on every core, instead of file by file inside pip (`make venv` 5 min 0 s -> 3 min 12 s on
 # 2 cores); a few files not meant to compile (torch's py312 samples) fail and are skipped, as pip skips them

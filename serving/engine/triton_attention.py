@@ -223,7 +223,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     slot = tl.load(slots_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
-    ok = (slot >= 0) & (offs_h[:, None] < KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    # slot's test is broadcast to a block before the &: triton 3.9's interpreter refuses a mask made of a scalar bool
+    ok = (offs_h[:, None] * 0 + slot >= 0) & (offs_h[:, None] < KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     slot = tl.maximum(slot, 0)
     dst = (slot // BLOCK_SIZE) * s_cb + (slot % BLOCK_SIZE) * s_ct + offs_h[:, None] * s_ch + offs_d[None, :] * s_cd
     k = tl.load(k_ptr + t * s_kt + offs_h[:, None] * s_kh + offs_d[None, :] * s_kd, mask=ok)

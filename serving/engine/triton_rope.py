@@ -85,7 +85,8 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, slots_ptr, q_out_ptr,
 
     slot = tl.load(slots_ptr + t).to(tl.int64)
     offs_g = tl.arange(0, KVH_PAD)
-    kv_ok = (slot >= 0) & (offs_g[:, None] < KV_HEADS) & j_ok[None, :]
+    # slot's test is broadcast to a block before the &: triton 3.9's interpreter refuses a mask made of a scalar bool
+    kv_ok = (offs_g[:, None] * 0 + slot >= 0) & (offs_g[:, None] < KV_HEADS) & j_ok[None, :]
     k1, k2 = _rope_heads(row + HEADS * HEAD_DIM, offs_g, offs_j, kv_ok, c1, s1, c2, s2, HALF, HEAD_DIM, DTYPE)
     v_src = row + (HEADS + KV_HEADS) * HEAD_DIM + offs_g[:, None] * HEAD_DIM + offs_j[None, :]
     v1 = tl.load(v_src, mask=kv_ok)
