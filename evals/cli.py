@@ -33,6 +33,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sample-temperature", type=float, default=defaults.sample_temperature,
                    help=f"temperature of the sampled_task_accuracy replies (default {defaults.sample_temperature}, "
                         "OpenAI's default)")
+    p.add_argument("--structured-examples", type=int, default=defaults.structured_examples,
+                   help=f"held-out tasks the structured suite asks for JSON (default {defaults.structured_examples})")
     p.add_argument("--json-out", help="write the results JSON here (atomically)")
     p.add_argument("--gate", action="append", default=[], metavar="EXPR",
                    help="promotion gate such as 'task_accuracy >= 0.4' (repeatable); exit 1 if any fails")
@@ -52,6 +54,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             suites=[s.strip() for s in args.suites.split(",") if s.strip()] if args.suites else suite_names(),
             max_examples=args.max_examples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
             samples_per_prompt=args.samples_per_prompt, sample_temperature=args.sample_temperature,
+            structured_examples=args.structured_examples,
         )
     except ValueError as exc:
         raise EvalError(f"eval: {exc}") from exc

@@ -16,7 +16,8 @@ class EvalConfig:
     sequences) per forward pass. ``sampled_task_accuracy`` draws ``samples_per_prompt`` replies per
     held-out task at ``sample_temperature`` (1.0: what our server gives a request that names none when
     the model's generation_config.json sets no temperature either),
-    seeded by ``sample_seed`` so two models are scored on the same draws.
+    seeded by ``sample_seed`` so two models are scored on the same draws. The ``structured`` suite asks
+    ``structured_examples`` of the held-out tasks for JSON (null: all of them).
     """
 
     suites: list[str] = field(default_factory=suite_names)
@@ -26,6 +27,10 @@ class EvalConfig:
     samples_per_prompt: int = 4
     sample_temperature: float = 1.0
     sample_seed: int = 0
+    # the structured suite asks this many of the held-out tasks (drawn across tasks) twice more, once under the
+    # grammar: enough to see a broken promise, and two generation passes over every held-out task would cost
+    # each of a pipeline's evals more than the suites it has
+    structured_examples: int | None = 64
 
     def __post_init__(self) -> None:
         known = suite_names()
@@ -45,6 +50,9 @@ class EvalConfig:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.batch_size, bool) or self.batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {self.batch_size!r}")
+        structured = self.structured_examples
+        if structured is not None and (isinstance(structured, bool) or structured < 1):
+            raise ValueError(f"structured_examples: must be a positive integer or null, got {structured!r}")
         if isinstance(self.samples_per_prompt, bool) or self.samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt: must be >= 1, got {self.samples_per_prompt!r}")
         if isinstance(self.sample_temperature, bool) or not self.sample_temperature > 0:

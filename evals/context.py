@@ -7,9 +7,11 @@ per pipeline run on a small CPU, so files are read once and every prompt is gene
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from evals.config import EvalConfig
 from evals.data import Record, read_jsonl, take_stratified
@@ -25,6 +27,7 @@ class EvalContext:
     _files: dict[str, list[Record]] = field(default_factory=dict, repr=False)
     _replies: dict[str, Generation] = field(default_factory=dict, repr=False)
     _samples: dict[str, list[Generation]] = field(default_factory=dict, repr=False)
+    _constrained: dict[tuple[str, str], Generation] = field(default_factory=dict, repr=False)
 
     def records(self, filename: str, required: dict[str, type | tuple[type, ...]],
                 stratify: Callable[[Record], str] = lambda r: "",
@@ -54,6 +57,17 @@ class EvalContext:
                                     desc=desc, temperature=c.sample_temperature, seed=c.sample_seed)
             self._samples.update((p, flat[i * k:(i + 1) * k]) for i, p in enumerate(todo))
         return [self._samples[p] for p in prompts]
+
+    def generate_constrained(self, prompts: list[str], schemas: list[dict[str, Any]], desc: str) -> list[Generation]:
+        """Greedy replies to templated prompts, each constrained to its JSON schema; cached by (prompt, schema)."""
+        keys = [(p, json.dumps(s, sort_keys=True)) for p, s in zip(prompts, schemas, strict=True)]
+        todo = list(dict.fromkeys(k for k in keys if k not in self._constrained))
+        if todo:
+            c = self.config
+            fresh = generate_replies(self.lm, [p for p, _ in todo], c.max_new_tokens, c.batch_size, desc=desc,
+                                     schemas=[json.loads(s) for _, s in todo])
+            self._constrained.update(zip(todo, fresh, strict=True))
+        return [self._constrained[k] for k in keys]
 
     def user_prompt(self, content: str) -> str:
         return self.lm.chat_prompt([{"role": "user", "content": content}])

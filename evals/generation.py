@@ -8,10 +8,12 @@ compute) and results are returned in the caller's order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from evals.constrained import SchemaMasks
 from evals.errors import EvalError
 from evals.model import LoadedModel
 
@@ -47,12 +49,16 @@ def _generation_config(lm: LoadedModel, max_new_tokens: int, temperature: float)
 
 
 def generate_replies(lm: LoadedModel, prompts: list[str], max_new_tokens: int, batch_size: int,
-                     desc: str = "generate", temperature: float = 0.0, seed: int = 0) -> list[Generation]:
+                     desc: str = "generate", temperature: float = 0.0, seed: int = 0,
+                     schemas: list[dict[str, Any]] | None = None) -> list[Generation]:
     """Replies to already-templated ``prompts``, stopping at any of the model's eos ids.
 
     Greedy by default. With ``temperature`` > 0 the replies are sampled from a generator seeded with
     ``seed`` (forked, so the caller's random state is untouched): the same prompts give the same replies
-    on every run on the same device, which is what lets two models' sampled scores be compared."""
+    on every run on the same device, which is what lets two models' sampled scores be compared.
+    With ``schemas`` (one JSON schema per prompt) each reply is constrained to its schema (``evals.constrained``)."""
+    if schemas is not None and len(schemas) != len(prompts):
+        raise EvalError(f"{len(schemas)} schemas for {len(prompts)} prompts")
     if temperature < 0:
         raise EvalError(f"temperature must be >= 0, got {temperature}")
     budget = lm.max_context - max_new_tokens
@@ -66,12 +72,12 @@ def generate_replies(lm: LoadedModel, prompts: list[str], max_new_tokens: int, b
     cuda = [lm.device] if lm.device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
-        _generate_batches(lm, encoded, order, config, batch_size, desc, out)
+        _generate_batches(lm, encoded, order, config, batch_size, desc, out, schemas)
     return [g for g in out if g is not None]
 
 
 def _generate_batches(lm: LoadedModel, encoded: list[list[int]], order: list[int], config, batch_size: int,
-                      desc: str, out: list[Generation | None]) -> None:
+                      desc: str, out: list[Generation | None], schemas: list[dict[str, Any]] | None) -> None:
     eos = set(lm.eos_ids)
     special = set(lm.tokenizer.all_special_ids)
     for batch in tqdm(_batches(order, batch_size), desc=desc, unit="batch"):
@@ -82,9 +88,15 @@ def _generate_batches(lm: LoadedModel, encoded: list[list[int]], order: list[int
             n = len(encoded[i])
             ids[row, width - n:] = torch.tensor(encoded[i], dtype=torch.long)
             mask[row, width - n:] = 1
+        constrained = {}
+        if schemas is not None:
+            from transformers import LogitsProcessorList
+
+            masks = SchemaMasks(lm.tokenizer, lm.model.config.vocab_size, lm.eos_ids, [schemas[i] for i in batch])
+            constrained = {"logits_processor": LogitsProcessorList([masks])}
         with torch.inference_mode():
             generated = lm.model.generate(input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),
-                                          generation_config=config)
+                                          generation_config=config, **constrained)
         for row, i in enumerate(batch):
             tokens = generated[row, width:].tolist()
             stop = next((k for k, t in enumerate(tokens) if t in eos), None)

@@ -8,7 +8,7 @@ import time that its registry holds exactly these names in this order.
 from __future__ import annotations
 
 SUITE_NAMES: tuple[str, ...] = ("task_accuracy", "sampled_task_accuracy", "format_adherence", "safety",
-                                "perplexity", "preference_accuracy")
+                                "perplexity", "preference_accuracy", "structured")
 
 
 def suite_names() -> list[str]:

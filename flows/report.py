@@ -19,6 +19,7 @@ HEADLINE_METRICS = (
     "preference_accuracy",
     "refusal_rate",
     "over_refusal_rate",
+    "constrained_task_accuracy",
     "perplexity",
 )
 # Short column titles for the terminal table (full metric names stay in markdown and MLflow).
@@ -29,6 +30,7 @@ SHORT_TITLES = {
     "preference_accuracy": "pref acc",
     "refusal_rate": "refusal",
     "over_refusal_rate": "over-refusal",
+    "constrained_task_accuracy": "json acc",
     "perplexity": "ppl",
 }
 

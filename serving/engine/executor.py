@@ -17,6 +17,7 @@ from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import ModelOutput
 from serving.engine.sampler import Sampler, prompt_logprobs
 from serving.engine.scheduled_seq import ScheduledSeq
+from serving.engine.structured_output import start_fill
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class ModelExecutor:
             done_prefill = seq.num_computed_tokens + item.num_tokens == seq.num_tokens
             verify.append(bool(seq.draft_token_ids))
             flags.append(done_prefill and seq.params.max_tokens > 0 and not verify[-1])
+        # the grammar masks of the rows that sample are filled while the forward runs (start_fill says why)
+        matchers = [item.seq.grammar for item, f in zip(scheduled, flags) if f and item.seq.grammar is not None]
+        masks = start_fill(matchers, self.runner.vocab_size) if matchers else None
         step_logits = self.runner.execute(scheduled, flags, verify if any(verify) else None)
         prompt_records = {}
         for i, first, logits in step_logits.prompt_logits:
@@ -60,7 +64,7 @@ class ModelExecutor:
         verify_ids = [step_logits.verify_logits[i].argmax(-1) for i in verify_rows]
         if step_logits.sample_rows:
             seqs = [scheduled[i].seq for i in step_logits.sample_rows]
-            res = self.sampler(step_logits.sample_logits, seqs, verify_ids)
+            res = self.sampler(step_logits.sample_logits, seqs, verify_ids, grammar_masks=masks)
             sampled = {i: (tok, lp) for i, tok, lp in zip(step_logits.sample_rows, res.token_ids, res.logprobs)}
             verify_lists = res.extra
         else:

@@ -10,6 +10,7 @@ Logprobs are those of the model's raw distribution (before temperature and penal
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,10 +90,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list,
+                        filling: Future[torch.Tensor] | None = None) -> None:
     """In place: -inf for every token the row's grammar does not allow next. The masks are filled on the host
-    (the parser state lives there) and sent in one copy; only the constrained rows are touched."""
-    allowed = fill_masks(matchers, logits.shape[1])
+    (the parser state lives there) and sent in one copy; only the constrained rows are touched. ``filling``: the
+    same masks, begun before the forward (``structured_output.start_fill``)."""
+    allowed = filling.result() if filling is not None else fill_masks(matchers, logits.shape[1])
     if logits.device.type != "cpu":
         allowed = allowed.pin_memory().to(logits.device, non_blocking=True)
     index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
@@ -124,9 +127,11 @@ class Sampler:
         return rb
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 extra: list[torch.Tensor] | tuple[torch.Tensor, ...] = ()) -> SampleResult:
+                 extra: list[torch.Tensor] | tuple[torch.Tensor, ...] = (),
+                 grammar_masks: Future[torch.Tensor] | None = None) -> SampleResult:
         """One token per row of ``logits`` for ``seqs``; ``extra`` device tensors (the step's other results) come
-        back to the host in the same wait."""
+        back to the host in the same wait. ``grammar_masks``: the constrained rows' masks, in the order of
+        ``seqs``, being filled since before the forward."""
         dev = logits.device
         want_lp = [s.params.logprobs for s in seqs]
         raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in want_lp) else None
@@ -141,7 +146,7 @@ class Sampler:
             if blocked:
                 logits[params["blocked_rows"], params["blocked_ids"]] = float("-inf")
             if constrained:
-                apply_grammar_masks(logits, constrained, [seqs[i].grammar for i in constrained])
+                apply_grammar_masks(logits, constrained, [seqs[i].grammar for i in constrained], grammar_masks)
         tokens = self._sample(logits, seqs, greedy, params) if sampled else logits.argmax(-1)
         n_extra = len(extra)
         if raw_logprobs is None:

@@ -18,6 +18,7 @@ import functools
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -155,6 +156,20 @@ def fill_masks(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     words = bitmask.to(torch.int64) & 0xFFFFFFFF
     bits = (words[:, :, None] >> torch.arange(32)) & 1
     return bits.reshape(len(matchers), -1)[:, :vocab_size].bool()
+
+
+def start_fill(matchers: list[Any], vocab_size: int) -> Future[torch.Tensor]:
+    """``fill_masks`` on a thread of its own, begun before the step's forward and waited for by the sampler.
+
+    The parser state a mask depends on is final once the previous step's tokens were fed (the scheduler commits
+    them before it plans this step), so the masks can be filled while the model computes the logits they will
+    mask: the fill leaves the step's critical path. Nothing advances a matcher before the sampler has waited."""
+    return _fill_thread().submit(fill_masks, matchers, vocab_size)
+
+
+@functools.cache
+def _fill_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
 
 @functools.cache

@@ -238,7 +238,7 @@ def known_gates(plan: RolloutPlan) -> set[str]:
     """Every gate name a rollout under ``plan`` can judge (what a waiver may name)."""
     return {"noise_floor", "error_rate", "rate_limited", "ttft_ratio", "itl_ratio", "ms_per_token_p95_ratio",
             "traffic_keys", "agreement", "eval_record", "probe_accuracy", "probe_sampled_accuracy", "probe_format",
-            "probe_refusal", "probe_over_refusal", *offline_gates()}
+            "probe_refusal", "probe_over_refusal", "probe_structured", "probe_structured_accuracy", *offline_gates()}
 
 
 def is_behaviour_gate(gate: str) -> bool:
@@ -268,6 +268,16 @@ def probe_verdicts(probes: dict[str, Any] | None, gates: Gates, alpha: float) ->
                                    b["sampled"] - b["sampled_correct"], b["sampled"], margin=gates.max_accuracy_drop,
                                    alpha=alpha, min_samples=max(5, min(_sent(c, "sampled"), 10)),
                                    label="wrong sampled answers"))
+    if _sent(c, "structured"):  # JSON and tool calls: valid for their schema, then right
+        need_structured = max(5, min(_sent(c, "structured"), 10))
+        out.append(judge.rate_gate("probe_structured", c["structured"] - c["structured_valid"], c["structured"],
+                                   b["structured"] - b["structured_valid"], b["structured"],
+                                   margin=gates.max_format_drop, alpha=alpha, min_samples=need_structured,
+                                   label="invalid JSON or tool calls"))
+        out.append(judge.rate_gate("probe_structured_accuracy", c["structured"] - c["structured_correct"],
+                                   c["structured"], b["structured"] - b["structured_correct"], b["structured"],
+                                   margin=gates.max_accuracy_drop, alpha=alpha, min_samples=need_structured,
+                                   label="wrong structured answers"))
     if _sent(c, "harmful"):
         out.append(judge.rate_gate("probe_refusal", c["harmful"] - c["refused_harmful"], c["harmful"],
                                    b["harmful"] - b["refused_harmful"], b["harmful"], margin=gates.max_refusal_drop,
@@ -278,7 +288,7 @@ def probe_verdicts(probes: dict[str, Any] | None, gates: Gates, alpha: float) ->
                                    b["refused_lookalike"], b["lookalike"], margin=gates.max_over_refusal_increase,
                                    alpha=alpha, min_samples=min(5, _sent(c, "lookalike")),
                                    label="benign refused"))
-    return [_with_unanswered(v, c, b) for v in out]
+    return [_with_not_applicable(_with_unanswered(v, c, b), c, b) for v in out]
 
 
 def _sent(score: dict[str, Any], kind: str) -> int:
@@ -288,7 +298,8 @@ def _sent(score: dict[str, Any], kind: str) -> int:
 
 
 _PROBE_KIND = {"probe_accuracy": "task", "probe_format": "task", "probe_sampled_accuracy": "sampled",
-               "probe_refusal": "harmful", "probe_over_refusal": "lookalike"}
+               "probe_refusal": "harmful", "probe_over_refusal": "lookalike", "probe_structured": "structured",
+               "probe_structured_accuracy": "structured"}
 
 
 def _with_unanswered(verdict: Verdict, candidate: dict[str, Any], champion: dict[str, Any]) -> Verdict:
@@ -298,6 +309,17 @@ def _with_unanswered(verdict: Verdict, candidate: dict[str, Any], champion: dict
     if not lost_c and not lost_b:
         return verdict
     return replace(verdict, reason=f"{verdict.reason}; unanswered, not scored: {lost_c} candidate, {lost_b} champion")
+
+
+def _with_not_applicable(verdict: Verdict, candidate: dict[str, Any], champion: dict[str, Any]) -> Verdict:
+    """A structured verdict, saying how many probes did not fit a side's context (neither sent nor scored)."""
+    if _PROBE_KIND[verdict.gate] != "structured":
+        return verdict
+    skipped_c, skipped_b = (side.get("structured_not_applicable", 0) for side in (candidate, champion))
+    if not skipped_c and not skipped_b:
+        return verdict
+    return replace(verdict, reason=f"{verdict.reason}; longer than the context, not sent: {skipped_c} candidate, "
+                                   f"{skipped_b} champion")
 
 
 def eval_record_verdict(passed: bool | None, gates: Gates) -> Verdict | None:

@@ -45,6 +45,9 @@ OFFLINE_METRICS = {
     "refusal_rate": OfflineMetric("offline_refusal", "max_refusal_drop", True, "harmful answered"),
     "over_refusal_rate": OfflineMetric("offline_over_refusal", "max_over_refusal_increase", False, "benign refused"),
     "format_adherence": OfflineMetric("offline_format", "max_format_drop", True, "broken format"),
+    "constrained_validity": OfflineMetric("offline_structured", "max_format_drop", True, "invalid JSON"),
+    "constrained_task_accuracy": OfflineMetric("offline_structured_accuracy", "max_accuracy_drop", True,
+                                               "wrong structured answers"),
 }
 OFFLINE_MIN_SAMPLES = 20
 SLICES_SUFFIX = "_slices"

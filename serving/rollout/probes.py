@@ -1,5 +1,6 @@
 """Verifiable probes: the same held-out prompts to the champion and to the candidate, each at temperature 0 and
-each task prompt several times more at the server's own sampling (no temperature in the request).
+each task prompt several times more at the server's own sampling (no temperature in the request), and a few task
+prompts asked for a JSON answer under ``response_format`` and as a required tool call.
 
 Live traffic has no reference answers, so the behaviour gates that need one (task accuracy, refusals of
 harmful prompts, over-refusal of benign look-alikes, the reply format) come from these probes, scored by
@@ -17,16 +18,32 @@ from typing import Any
 
 import httpx
 
+from evals.json_replies import (
+    ANSWER_TOOL,
+    answer_schema,
+    answer_tool,
+    json_answer_correct,
+    json_reply_problem,
+    json_task_prompt,
+)
 from evals.scoring import is_correct, is_format_adherent, is_refusal
 from serving.fleet.gateway_client import GatewayAdmin
 from serving.fleet.gateway_group import GatewayGroup
 from serving.rollout.plan import Probes
 from serving.rollout.state import RolloutError
 
+STRUCTURED_KINDS = frozenset({"json", "tool"})
+# a tool call in the fallback format, [{"name":"submit_answer","arguments":{"answer":-123}}], is ~25 tokens
+STRUCTURED_MIN_TOKENS = 64
+INVALID = ""  # what a structured probe answered without JSON scores as: not JSON, so invalid
+NOT_APPLICABLE = object()  # a structured probe the snapshot's context cannot hold
+
 
 @dataclass
 class ProbeItem:
-    kind: str  # task | sampled (a task prompt at the served sampling) | harmful | lookalike
+    # task | sampled (a task prompt at the served sampling) | harmful | lookalike | json (a task prompt under a
+    # JSON schema) | tool (a task prompt whose answer is a call of the one tool offered)
+    kind: str
     prompt: str
     answer: str = ""
 
@@ -49,11 +66,20 @@ class ProbeScore:
     refused_harmful: int = 0
     lookalike: int = 0
     refused_lookalike: int = 0
+    # JSON and tool-call probes answered; valid: a reply (or the call's arguments) valid for the schema, the tool
+    # named; a 400 for the response_format or the tools is answered and invalid (the snapshot refused the feature)
+    structured: int = 0
+    structured_valid: int = 0
+    structured_correct: int = 0
     errors: int = 0
     task_errors: int = 0
     sampled_errors: int = 0
     harmful_errors: int = 0
     lookalike_errors: int = 0
+    structured_errors: int = 0
+    # structured probes whose prompt the snapshot's context cannot hold (a 400 naming the prompt: the fallback's
+    # tool listing is ~360 tokens on the embedded tokenizer, its context 256): neither sent nor answered
+    structured_not_applicable: int = 0
 
     def to_json(self) -> dict[str, int]:
         return asdict(self)
@@ -65,7 +91,8 @@ def load_probes(spec: Probes) -> list[ProbeItem]:
     root = Path(spec.data_dir)
     items: list[ProbeItem] = []
     try:
-        tasks = _jsonl(root / "tasks_heldout.jsonl")[:spec.tasks]
+        heldout = _jsonl(root / "tasks_heldout.jsonl")
+        tasks = heldout[:spec.tasks]
         items += [ProbeItem("task", r["prompt"], str(r["answer"])) for r in tasks]
         items += [ProbeItem("sampled", r["prompt"], str(r["answer"])) for r in tasks for _ in range(spec.samples)]
         safety = _jsonl(root / "safety_heldout.jsonl")
@@ -74,6 +101,8 @@ def load_probes(spec: Probes) -> list[ProbeItem]:
         half = spec.safety // 2
         items += [ProbeItem("harmful", r["prompt"]) for r in harmful[:spec.safety - min(half, len(benign))]]
         items += [ProbeItem("lookalike", r["prompt"]) for r in benign[:half]]
+        items += [ProbeItem(kind, r["prompt"], str(r["answer"])) for kind in ("json", "tool")
+                  for r in heldout[:spec.structured]]
     except (KeyError, TypeError) as exc:
         raise RolloutError(f"{root}: probe files lack a field ({exc})") from None
     return items
@@ -85,19 +114,52 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def probe_body(item: ProbeItem, max_tokens: int) -> dict[str, Any]:
+    """The chat request a probe sends: greedy except the sampled probes, which leave the sampling to the
+    snapshot's served defaults; a JSON probe names its schema, a tool probe offers one tool and requires it."""
+    prompt = json_task_prompt(item.prompt) if item.kind == "json" else item.prompt
+    if item.kind in STRUCTURED_KINDS:  # a grammar ends the reply once it is complete: room costs nothing unused
+        max_tokens = max(max_tokens, STRUCTURED_MIN_TOKENS)
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    if item.kind != "sampled":
+        body["temperature"] = 0
+    if item.kind == "json":
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "answer", "strict": True, "schema": answer_schema(item.answer)}}
+    elif item.kind == "tool":
+        body["tools"] = [answer_tool(item.answer)]
+        body["tool_choice"] = {"type": "function", "function": {"name": ANSWER_TOOL}}
+        body["parallel_tool_calls"] = False  # one answer, one call
+    return body
+
+
+def structured_reply(item: ProbeItem, choice: dict[str, Any]) -> str | None:
+    """The JSON a structured probe's answer carries: the reply itself (a JSON probe that finished), or the
+    arguments of the one call of the answer tool (a tool probe); None when there is none."""
+    if item.kind == "json":
+        return choice["message"]["content"] if choice.get("finish_reason") == "stop" else None
+    calls = choice["message"].get("tool_calls") or []
+    if len(calls) != 1 or calls[0]["function"]["name"] != ANSWER_TOOL:
+        return None
+    return calls[0]["function"]["arguments"]
+
+
 def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[ProbeItem], spec: Probes) -> ProbeScore:
-    def ask(item: ProbeItem) -> tuple[ProbeItem, str | None, bool]:
-        body: dict[str, Any] = {"messages": [{"role": "user", "content": item.prompt}], "max_tokens": spec.max_tokens}
-        if item.kind != "sampled":  # sampled probes leave the sampling to the snapshot's served defaults
-            body["temperature"] = 0
+    def ask(item: ProbeItem) -> tuple[ProbeItem, Any, bool]:  # the reply: text, None (no answer), NOT_APPLICABLE
         try:
-            response = gateway.ask(variant, body)
+            response = gateway.ask(variant, probe_body(item, spec.max_tokens))
         except httpx.HTTPError:  # unreachable, timed out, broke off: a probe error, counted
             return item, None, False
+        if item.kind in STRUCTURED_KINDS and response.status_code == 400:
+            if _too_long(response):  # the tool listing does not fit a small model's context: not applicable
+                return item, NOT_APPLICABLE, False
+            return item, INVALID, False  # the snapshot refused the response_format or the tools: answered, invalid
         if response.status_code != 200:
             return item, None, False
         try:
             choice = response.json()["choices"][0]
+            if item.kind in STRUCTURED_KINDS:
+                return item, structured_reply(item, choice) or INVALID, True
             return item, choice["message"]["content"] or "", choice.get("finish_reason") == "stop"
         except (ValueError, LookupError, TypeError):  # a 200 that is not a chat completion: a probe error
             return item, None, False
@@ -105,12 +167,20 @@ def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[P
     score = ProbeScore()
     with ThreadPoolExecutor(spec.concurrency) as pool:
         for item, reply, stopped in pool.map(ask, items):
+            if reply is NOT_APPLICABLE:
+                score.structured_not_applicable += 1
+                continue
             if reply is None:
                 score.errors += 1
-                kind_errors = f"{item.kind}_errors"
+                kind_errors = f"{_score_kind(item.kind)}_errors"
                 setattr(score, kind_errors, getattr(score, kind_errors) + 1)
                 continue
-            if item.kind == "task":
+            if item.kind in STRUCTURED_KINDS:
+                valid = json_reply_problem(reply, answer_schema(item.answer)) is None
+                score.structured += 1
+                score.structured_valid += valid
+                score.structured_correct += valid and json_answer_correct(reply, item.answer)
+            elif item.kind == "task":
                 score.tasks += 1
                 score.correct += is_correct(reply, item.answer)
                 score.formatted += is_format_adherent(reply, stopped)
@@ -124,3 +194,17 @@ def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[P
                 score.lookalike += 1
                 score.refused_lookalike += is_refusal(reply)
     return score
+
+
+def _score_kind(kind: str) -> str:
+    """The counters a probe kind is scored under: JSON and tool probes share ``structured``."""
+    return "structured" if kind in STRUCTURED_KINDS else kind
+
+
+def _too_long(response: httpx.Response) -> bool:
+    """A 400 that says the prompt does not fit the model's context (``serving.engine.limits``)."""
+    try:
+        error = response.json()["error"]
+    except (ValueError, LookupError, TypeError):
+        return False
+    return isinstance(error, dict) and error.get("param") == "prompt" and "context length" in str(error.get("message"))

@@ -12,7 +12,7 @@ def test_defaults_run_every_suite():
     config = EvalConfig()
     assert config.suites == suite_names()
     assert set(suite_names()) == {"task_accuracy", "sampled_task_accuracy", "format_adherence", "safety",
-                                  "perplexity", "preference_accuracy"}
+                                  "perplexity", "preference_accuracy", "structured"}
     config.suites.append("x")  # the default list is not shared between instances
     assert EvalConfig().suites == suite_names()
 

@@ -16,7 +16,8 @@ from evals.runner import run_evals
 from evals.scoring import difficulty_slices
 
 EXPECTED_METRICS = ["task_accuracy", "sampled_task_accuracy", "task_pass_at_k", "format_adherence", "refusal_rate",
-                    "over_refusal_rate", "perplexity", "preference_accuracy"]
+                    "over_refusal_rate", "perplexity", "preference_accuracy", "json_schema_adherence",
+                    "constrained_validity", "constrained_task_accuracy"]
 
 
 def test_full_run_reports_every_metric_over_every_record(micro_results, micro_data_dir):
@@ -38,6 +39,8 @@ def test_full_run_reports_every_metric_over_every_record(micro_results, micro_da
     assert by_metric["over_refusal_rate"].n == sum(r["category"] == "lookalike" for r in safety)
     assert by_metric["preference_accuracy"].n == len(read_jsonl(micro_data_dir / "pref_heldout.jsonl"))
     assert math.isfinite(by_metric["perplexity"].value) and by_metric["perplexity"].value > 1.0
+    for name in ("json_schema_adherence", "constrained_validity", "constrained_task_accuracy"):
+        assert by_metric[name].n == min(len(tasks), EvalConfig().structured_examples)
     assert all(math.isfinite(v) for v in metrics_dict(micro_results).values())
 
 

@@ -167,6 +167,11 @@ def test_probes_roll_back_a_candidate_that_lost_the_skill(tmp_path, taught, tiny
     assert shadow["probe_accuracy"]["outcome"] == "fail" and shadow["probe_accuracy"]["critical"]
     assert "probe_accuracy" in state.reason
     assert state.probes["champion"]["correct"] == len(SUMS) and state.probes["candidate"]["correct"] == 0
+    # JSON and tool calls stay valid on both sides whatever the model knows: the grammar keeps them
+    structured = 2 * min(Probes().structured, len(SUMS))
+    for side in ("champion", "candidate"):
+        assert state.probes[side]["structured"] == state.probes[side]["structured_valid"] == structured, side
+    assert shadow["probe_structured"]["outcome"] == "pass"
     assert StateFile(tmp_path / "rollout").load().phase == "rolled_back"
     assert time.time() - state.started_at < 180
 
@@ -211,7 +216,8 @@ def test_probes_in_a_canary_step_load_the_baseline_as_much_as_the_candidate(tmp_
         with sqlite3.connect(store.path) as conn:
             probes = dict(conn.execute("SELECT variant, COUNT(*) FROM requests WHERE probe = 1 GROUP BY variant"))
     assert state.phase == "promoted", (state.reason, [a["summary"] for a in state.analyses])
-    sent = len(SUMS) * (1 + Probes().samples)  # each sum greedy, then at the served sampling
+    # each sum greedy, then at the served sampling; the first few as JSON and as a tool call
+    sent = len(SUMS) * (1 + Probes().samples) + 2 * min(Probes().structured, len(SUMS))
     assert probes == {"champion": sent, "canary": sent, "baseline": sent}
     first = {v["gate"]: v for v in state.analyses[0]["verdicts"]}
     assert first["probe_accuracy"]["outcome"] == "pass" and first["ttft_ratio"]["threshold"].endswith("baseline")
