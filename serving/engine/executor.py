@@ -64,7 +64,8 @@ class ModelExecutor:
         verify_ids = [step_logits.verify_logits[i].argmax(-1) for i in verify_rows]
         if step_logits.sample_rows:
             seqs = [scheduled[i].seq for i in step_logits.sample_rows]
-            res = self.sampler(step_logits.sample_logits, seqs, verify_ids, grammar_masks=masks)
+            constrained = {"grammar_masks": masks} if masks is not None else {}
+            res = self.sampler(step_logits.sample_logits, seqs, verify_ids, **constrained)
             sampled = {i: (tok, lp) for i, tok, lp in zip(step_logits.sample_rows, res.token_ids, res.logprobs)}
             verify_lists = res.extra
         else:
