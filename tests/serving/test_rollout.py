@@ -201,8 +201,11 @@ def test_approval_by_tag_and_resume(tmp_path, tiny_model_dir):
     from serving.rollout.plan import CanaryStep
 
     registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    # an A/A on 3 s steps, judged beside the suite's other worker: its TTFT once read HL ×1.30 (p=0.36), above
+    # ×1.25 but not significant, and the step paused after its extensions. Latency is not what this test is about.
     plan = fast_plan(steps=[CanaryStep(20, seconds=3, min_requests=5, min_keys=5, approval="required"),
-                            CanaryStep(50, seconds=3, min_requests=5, min_keys=5)], promotion_approval="required")
+                            CanaryStep(50, seconds=3, min_requests=5, min_keys=5)], promotion_approval="required",
+                     gates=Gates(max_ttft_ratio=3.0, max_itl_ratio=3.0))
     client = MlflowClient(registry.tracking_uri)
     with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
         controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))

@@ -119,7 +119,7 @@ def test_a_a_through_deploy_is_never_rolled_back_and_a_waiver_gets_past_a_missin
             resumed = deploy("resume", *common, "--waive", "eval_record", home=home)
             assert resumed.returncode == 0, resumed.stderr[-2000:]
             assert "waived eval_record" in resumed.stdout
-            canary = _wait_phase(rollout_dir, {"canary", "rolled_back", "promoted"}, timeout=120)
+            _wait_phase(rollout_dir, {"canary", "rolled_back", "promoted"}, timeout=120)
             status = json.loads(deploy("status", *common, "--json", home=home).stdout)
             variants = {row["variant"]: row for row in status["variants"]}
             # status reads the routing, then the state: when the state still says canary, the routing was read in
