@@ -60,7 +60,7 @@ class EvalContext:
 
     def generate_constrained(self, prompts: list[str], schemas: list[dict[str, Any]], desc: str) -> list[Generation]:
         """Greedy replies to templated prompts, each constrained to its JSON schema; cached by (prompt, schema)."""
-        keys = [(p, json.dumps(s, sort_keys=True)) for p, s in zip(prompts, schemas, strict=True)]
+        keys = [(p, json.dumps(s)) for p, s in zip(prompts, schemas, strict=True)]  # key order kept: it orders replies
         todo = list(dict.fromkeys(k for k in keys if k not in self._constrained))
         if todo:
             c = self.config
