@@ -55,20 +55,28 @@ class Proc:
         self.handle.close()
 
 
-def _runs(api: str, deployment_id: str, attempts: int = 4) -> list[dict]:
-    """The deployment's runs. A read that times out is asked again: with the suite's heaviest modules beside it, the
-    Prefect server once took over 30 s to answer one filter (CI, session 41); the callers keep their own deadlines."""
+def _api(method: str, url: str, attempts: int = 4, **kwargs) -> dict | list:
+    """One Prefect API call, asked again on a timeout or a 5xx. With the suite's heaviest modules beside it, the
+    Prefect server (SQLite) once took over 30 s to answer one filter (CI, session 41) and once answered a
+    create_flow_run without a run (CI, session 44); a 4xx fails at once with the server's answer."""
     for attempt in range(attempts):
         try:
-            response = httpx.post(f"{api}/flow_runs/filter", timeout=30, json={
-                "deployments": {"id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
-            break
+            response = httpx.request(method, url, timeout=30, **kwargs)
         except httpx.TimeoutException:
             if attempt == attempts - 1:
                 raise
-            time.sleep(5)
-    response.raise_for_status()
+        else:
+            if response.status_code < 500 or attempt == attempts - 1:
+                break
+        time.sleep(5)
+    assert response.is_success, f"{method} {url}: {response.status_code} {response.text[:2000]}"
     return response.json()
+
+
+def _runs(api: str, deployment_id: str) -> list[dict]:
+    """The deployment's runs (the callers keep their own deadlines)."""
+    return _api("POST", f"{api}/flow_runs/filter", json={
+        "deployments": {"id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
 
 
 def _wait_runs(api: str, deployment_id: str, done: int, timeout: float, log: Path) -> list[dict]:
@@ -116,7 +124,7 @@ def test_a_deployment_fires_by_itself_caches_picks_up_new_data_and_never_overlap
                                    env=client_env, cwd=REPO, capture_output=True, text=True, timeout=180)
         assert scheduled.returncode == 0, scheduled.stderr[-3000:]
         assert f"scheduled lifecycle/{NAME} (every 5s)" in scheduled.stdout
-        deployment = httpx.get(f"{api}/deployments/name/lifecycle/{NAME}", timeout=30).json()
+        deployment = _api("GET", f"{api}/deployments/name/lifecycle/{NAME}")
         worker = Proc([*LIFECYCLE, "worker", "--poll-seconds", "2"], client_env, tmp_path / "worker.log")
 
         # 1. two runs fire by themselves; the second finds nothing new
@@ -173,14 +181,14 @@ def test_a_deployment_fires_by_itself_caches_picks_up_new_data_and_never_overlap
         failing_path.write_text(yaml.safe_dump(failing, sort_keys=False))
         champion_before = mlflow.get_model_version_by_alias(NAME, "champion").version
         n_rollouts = len(mlflow.search_runs([rollouts.experiment_id]))
-        created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", timeout=30,
-                             json={"parameters": {"recipe_path": str(failing_path)}}).json()
+        created = _api("POST", f"{api}/deployments/{deployment['id']}/create_flow_run",
+                       json={"parameters": {"recipe_path": str(failing_path)}})
         deadline = time.monotonic() + 600
-        while httpx.get(f"{api}/flow_runs/{created['id']}", timeout=30).json()["state_type"] not in (
+        while _api("GET", f"{api}/flow_runs/{created['id']}")["state_type"] not in (
                 "COMPLETED", "FAILED", "CRASHED"):
             assert time.monotonic() < deadline
             time.sleep(2)
-        assert httpx.get(f"{api}/flow_runs/{created['id']}", timeout=30).json()["state_type"] == "COMPLETED"
+        assert _api("GET", f"{api}/flow_runs/{created['id']}")["state_type"] == "COMPLETED"
         assert len(mlflow.search_runs([rollouts.experiment_id])) == n_rollouts  # no rollout started
         assert mlflow.get_model_version_by_alias(NAME, "champion").version == champion_before
 
