@@ -6,8 +6,8 @@ Two ways a model calls a tool:
 - **its chat template's own format**, where the template takes ``tools`` (Llama 3.1 writes
   ``{"name": ..., "parameters": {...}}``, Qwen2.5 wraps ``{"name": ..., "arguments": {...}}`` in
   ``<tool_call>`` tags): the tools go to the template and the reply is parsed in that format;
-- **the fallback** for templates without tools (ours among them): a system message lists the tools and asks for
-  a JSON array of calls, ``[{"name": ..., "arguments": {...}}]``.
+- **the fallback** for templates without tools (ours among them): a system message lists the tools, a signature
+  line each (``tool_listing.py``), and asks for a JSON array of calls, ``[{"name": ..., "arguments": {...}}]``.
 
 ``tool_choice`` ``required`` or a named function holds the reply to that array with a grammar (the JSON schema
 ``call_schema`` builds, enforced like any ``response_format``), so the calls parse and their arguments validate
@@ -23,10 +23,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.api import tool_listing
 from serving.api.errors import APIError
 
 FALLBACK_INSTRUCTIONS = ("You can call these functions. To call one or more, reply with only a JSON array of calls, "
                          'like [{"name": "a_function", "arguments": {"a": 1}}].\nFunctions:\n')
+# under `required` or a named choice the grammar writes the array, so the prompt need not teach its shape: a header
+# of a few words instead of the ~150 tokens the instructions cost a byte-level tokenizer (a small context's room)
+CONSTRAINED_HEADER = "Reply with a call to one of these functions:\n"
 _TAGGED_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
@@ -82,16 +86,17 @@ def template_takes_tools(tokenizer: Any) -> bool:
 def fallback_messages(messages: list[dict], plan: ToolPlan) -> list[dict]:
     """The conversation for a template without tools: the tools described in the system message, earlier calls
     written as the JSON arrays the model is asked for, tool results as messages of role ``tool``."""
-    listing = json.dumps([t["function"] for t in plan.tools], separators=(",", ":"))
+    header = CONSTRAINED_HEADER if plan.constrained else FALLBACK_INSTRUCTIONS
+    listing = header + tool_listing.listing([t["function"] for t in plan.tools])
     out = [dict(m) for m in messages]
     for m in out:
         if m.get("tool_calls"):
             m["content"] = json.dumps([{"name": c["function"]["name"], "arguments": _arguments(c)}
                                        for c in m.pop("tool_calls")], separators=(",", ":"))
     if out and out[0]["role"] == "system":
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{FALLBACK_INSTRUCTIONS}{listing}"}
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{listing}"}
     else:
-        out.insert(0, {"role": "system", "content": FALLBACK_INSTRUCTIONS + listing})
+        out.insert(0, {"role": "system", "content": listing})
     return out
 
 
