@@ -33,9 +33,11 @@ def prefect_server(home: Path, timeout: float = 240.0) -> Iterator[str]:
     home.mkdir(parents=True, exist_ok=True)
     log = home / "server.log"
     with open(log, "ab") as out:
-        # no scheduler or late-runs loops: nothing here is scheduled, and the suite's two cores are busy enough
+        # the API alone, no background services: nothing here is scheduled, and no test reads what the services
+        # keep (events, task runs recorded from events, late or cancelled runs); the suite's two cores are busy
+        # enough without them
         proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                 "--port", str(port), "--no-ui", "--no-scheduler", "--no-late-runs"],
+                                 "--port", str(port), "--no-ui", "--no-services"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     api = f"http://127.0.0.1:{port}/api"

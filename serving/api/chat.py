@@ -17,15 +17,14 @@ from serving.api.sse import TokenIdsOut
 from serving.api.tool_calls import (
     StreamedChoice,
     ToolPlan,
-    call_schema,
     fallback_messages,
     parse_calls,
     plan_tools,
     template_messages,
     template_takes_tools,
 )
+from serving.api.tool_grammar import call_format, call_grammar
 from serving.engine import RequestOutput
-from serving.engine.structured_output import StructuredOutput
 
 
 class ChatServing(OpenAIServing):
@@ -37,8 +36,7 @@ class ChatServing(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
         top = req.top_logprobs or 0
-        held_to_calls = (StructuredOutput.json_schema(call_schema(plan), where="tools")
-                         if plan is not None and plan.constrained else None)
+        held_to_calls = call_grammar(plan, call_format(self.tok)) if plan is not None and plan.constrained else None
         make = SamplingFactory(req, self.state.engine.sampling_defaults, max_tokens,
                                top if req.logprobs else None, None, structured=held_to_calls)
         gen = self.start(request, "chatcmpl", [ids], make)

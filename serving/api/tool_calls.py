@@ -9,9 +9,9 @@ Two ways a model calls a tool:
 - **the fallback** for templates without tools (ours among them): a system message lists the tools, a signature
   line each (``tool_listing.py``), and asks for a JSON array of calls, ``[{"name": ..., "arguments": {...}}]``.
 
-``tool_choice`` ``required`` or a named function holds the reply to that array with a grammar (the JSON schema
-``call_schema`` builds, enforced like any ``response_format``), so the calls parse and their arguments validate
-whatever the model. ``auto`` leaves the model free and reads a call out of its reply if it wrote one; ``none``
+``tool_choice`` ``required`` or a named function holds the reply to calls in the format the model was shown, with
+a grammar (``tool_grammar.py``, enforced like any ``response_format``), so the calls parse and their arguments
+validate whatever the model. ``auto`` leaves the model free and reads a call out of its reply if it wrote one; ``none``
 never reads one.
 """
 
@@ -66,16 +66,6 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None)
         raise APIError(400, f"tool_choice.function.name: no tool named {name!r} in tools",
                        param="tool_choice.function.name")
     return ToolPlan(specs, "named", name, parallel=False)
-
-
-def call_schema(plan: ToolPlan) -> dict:
-    """The JSON schema of the fallback reply: an array of calls to the plan's tools (one, unless parallel)."""
-    tools = [t for t in plan.tools if plan.name is None or t["function"]["name"] == plan.name]
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": t["function"]["name"]},
-                             "arguments": t["function"].get("parameters") or {"type": "object"}}} for t in tools]
-    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {"type": "array", "items": item, "minItems": 1, "maxItems": 8 if plan.parallel else 1}
 
 
 def template_takes_tools(tokenizer: Any) -> bool:
@@ -169,7 +159,7 @@ class CallStream:
     _in_arguments: bool = False
     ids: list[str] = field(default_factory=list)
 
-    _NAME = re.compile(r'\{"name":"((?:[^"\\]|\\.)*)","arguments":')
+    _NAME = re.compile(r'\{"name":"((?:[^"\\]|\\.)*)","(?:arguments|parameters)":')
 
     def feed(self, text: str) -> list[dict]:
         """The ``tool_calls`` deltas for ``text``, the next piece of the reply."""

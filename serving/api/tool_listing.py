@@ -4,8 +4,8 @@ A model whose template knows no tools reads the listing as prose, so the listing
 function is called, what it takes and what it does. JSON Schema spends most of its length on keywords
 (``"type"``, ``"properties"``, ``"required"``, ``"additionalProperties"``): the rollout's one-parameter answer tool
 took 245 tokens of the embedded byte-level tokenizer as JSON (420 with the instructions and a task, more than that
-model's whole 256-token context), and 62 as a signature. The schema itself still binds the reply: ``required`` and named choices hold it to the
-parameters with a grammar, and ``auto`` replies are parsed against them.
+model's whole 256-token context), and 62 as a signature. The schema itself still binds the reply: ``required``
+and named choices hold it to the parameters with a grammar, and ``auto`` replies are parsed against them.
 
     get_weather(city: string, unit?: "c" | "f", days?: integer) - Get the forecast.
 """

@@ -85,17 +85,7 @@ class StepInputBuilder:
 
         ids, pos, slots, lens = field(0), field(1), field(2), field(3)
         dec_tables = field(4).reshape(num_decode, dec_width)
-        row = 0
-        for i, item in enumerate(scheduled[:num_decode]):
-            seq = item.seq
-            p = seq.num_computed_tokens
-            table = seq.block_table
-            ids[i] = seq.token_ids[p]
-            pos[i] = p
-            slots[i] = table[p // bs] * bs + p % bs
-            lens[i] = p + 1
-            dec_tables[i, :len(table)] = table
-            row = i + 1
+        row = fill_decode_rows(scheduled[:num_decode], bs, ids, pos, slots, lens, dec_tables)
         starts, first, pre_tables = field(5), field(6), field(7).reshape(len(chunks), pre_width)
         for j, item in enumerate(chunks):
             seq, n = item.seq, item.num_tokens
@@ -157,19 +147,26 @@ class DecodeStaticInputs:
         buf = self.staging.array
         ids, pos, slots, lens = (buf[i * w:i * w + b] for i in range(4))
         tables = buf[4 * w:4 * w + b * self.max_blocks].reshape(b, self.max_blocks)
-        n = len(scheduled)
-        for i, item in enumerate(scheduled):
-            seq = item.seq
-            p = seq.num_computed_tokens
-            table = seq.block_table
-            ids[i] = seq.token_ids[p]
-            pos[i] = p
-            slots[i] = table[p // bs] * bs + p % bs
-            lens[i] = p + 1
-            tables[i, :len(table)] = table
+        n = fill_decode_rows(scheduled, bs, ids, pos, slots, lens, tables)
         ids[n:batch] = 0
         pos[n:batch] = 0
         slots[n:batch] = NO_SLOT
         lens[n:batch] = 0
         # the vectors, then the table rows in use: one copy of a contiguous prefix of the buffer
         self.staging.upload(4 * w + batch * self.max_blocks)
+
+
+def fill_decode_rows(scheduled: list[ScheduledSeq], block_size: int, ids: np.ndarray, pos: np.ndarray,
+                     slots: np.ndarray, lens: np.ndarray, tables: np.ndarray) -> int:
+    """One row per decoding sequence: its next input token, that token's position and KV slot, the context length
+    it attends over and its block table. Returns how many rows it wrote."""
+    for i, item in enumerate(scheduled):
+        seq = item.seq
+        p = seq.num_computed_tokens
+        table = seq.block_table
+        ids[i] = seq.token_ids[p]
+        pos[i] = p
+        slots[i] = table[p // block_size] * block_size + p % block_size
+        lens[i] = p + 1
+        tables[i, :len(table)] = table
+    return len(scheduled)

@@ -33,10 +33,11 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What a reply must be: ``json_object`` (any object) or ``json_schema`` (this schema, as compact JSON text,
-    which is also the cache key). ``where`` names the request field for error messages."""
+    """What a reply must be: ``json_object`` (any object), ``json_schema`` (this schema, as compact JSON text,
+    which is also the cache key) or ``lark`` (a grammar in llguidance's Lark dialect, JSON parts as ``%json``:
+    a chat template's own tool-call format, text around JSON). ``where`` names the request field for errors."""
 
-    kind: Literal["json_object", "json_schema"]
+    kind: Literal["json_object", "json_schema", "lark"]
     schema: str = JSON_OBJECT_SCHEMA
     where: str = "response_format"
     # the last ``prefix_tokens`` prompt tokens are the reply so far (a gateway finishing a stream on another
@@ -47,6 +48,10 @@ class StructuredOutput:
     def json_schema(cls, schema: dict, where: str = "response_format.json_schema.schema") -> StructuredOutput:
         # keys in the client's order: a reply writes an object's properties in the order its schema lists them
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), where)
+
+    @classmethod
+    def lark(cls, grammar: str, where: str) -> StructuredOutput:
+        return cls("lark", grammar, where)
 
 
 class GrammarCache:
@@ -84,8 +89,8 @@ class GrammarCache:
     def _compile(self, spec: StructuredOutput) -> Any:
         ll = self._ll
         try:
-            grammar = ll.LLMatcher.grammar_from_json_schema(spec.schema,
-                                                            defaults={"whitespace_flexible": False})
+            grammar = spec.schema if spec.kind == "lark" else ll.LLMatcher.grammar_from_json_schema(
+                spec.schema, defaults={"whitespace_flexible": False})
         except ValueError as exc:
             raise InvalidRequestError(f"{spec.where}: {_first_line(exc)}") from exc
         matcher = ll.LLMatcher(self.tokenizer, grammar, log_level=0)

@@ -153,6 +153,14 @@ def paired_latency_gate(gate: str, pairs: list[tuple[float, float]] | list[list[
     per_pair = float(np.median(candidate / np.maximum(champion, 1e-9)))
     detail = (f"p{round(q * 100)} {np.quantile(candidate, q):.1f} vs {np.quantile(champion, q):.1f} ms/token on "
               f"{n} mirrored requests (×{ratio:.2f}, ≥ ×{lower:.2f} at {1 - alpha:.1%}); median pair ×{per_pair:.2f}")
+    return _ratio_verdict(gate, ratio, max_ratio, p_value, alpha, rule, n, min_samples, detail, critical)
+
+
+
+def _ratio_verdict(gate: str, ratio: float, max_ratio: float, p_value: float, alpha: float, rule: str, n: int,
+                   min_samples: int, detail: str, critical: bool) -> Verdict:
+    """A latency ratio's verdict: fail when significantly beyond the band, inconclusive when above it by
+    chance alone, else pass."""
     if p_value < alpha:
         return Verdict(gate, FAIL, ratio, 1.0, rule, p_value, n, min_samples,
                        f"{detail}: beyond ×{max_ratio:g} (p={p_value:.2g})", critical)
@@ -160,7 +168,6 @@ def paired_latency_gate(gate: str, pairs: list[tuple[float, float]] | list[list[
         return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, p_value, n, min_samples,
                        f"{detail}: above ×{max_ratio:g} but not significantly (p={p_value:.2g})", critical)
     return Verdict(gate, PASS, ratio, 1.0, rule, p_value, n, min_samples, detail, critical)
-
 
 HL_MAX_SAMPLES = 1500  # per side for the Hodges-Lehmann estimate (all pairs: 2.25M differences at most)
 
@@ -186,13 +193,7 @@ def shift_gate(gate: str, candidate: list[float], baseline: list[float], *, max_
     ratio, lower = hodges_lehmann_ratio(log_c, log_b, alpha)
     medians = f"median {float(np.median(np.exp(log_c))):.1f} vs {float(np.median(np.exp(log_b))):.1f} ms"
     detail = f"{medians}; HL ×{ratio:.2f} (≥ ×{lower:.2f} at {1 - alpha:.1%}), {len(candidate)}/{len(baseline)} samples"
-    if p_value < alpha:
-        return Verdict(gate, FAIL, ratio, 1.0, rule, p_value, n, min_samples,
-                       f"{detail}: beyond ×{max_ratio:g} (p={p_value:.2g})", critical)
-    if ratio > max_ratio:
-        return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, p_value, n, min_samples,
-                       f"{detail}: above ×{max_ratio:g} but not significantly (p={p_value:.2g})", critical)
-    return Verdict(gate, PASS, ratio, 1.0, rule, p_value, n, min_samples, detail, critical)
+    return _ratio_verdict(gate, ratio, max_ratio, p_value, alpha, rule, n, min_samples, detail, critical)
 
 
 def hodges_lehmann_ratio(log_c: np.ndarray, log_b: np.ndarray, alpha: float) -> tuple[float, float]:

@@ -1,0 +1,105 @@
+"""A required or named tool choice is held to the format the model's chat template shows it: Llama 3.1's one
+``{"name", "parameters"}`` object, Hermes/Qwen2.5's ``<tool_call>`` blocks, our fallback's array. The calls parse
+and validate whatever the model (here a random-init tiny Llama with each template), streamed or not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from serving.api.tool_calls import ToolPlan, parse_calls
+from serving.api.tool_grammar import FALLBACK, HERMES, LLAMA, call_format, call_grammar
+from serving.engine import EngineConfig
+from tests.serving.conftest import CHAT_TEMPLATE
+from tests.serving.test_tool_calls import SCHEMAS, TOOLS
+
+_TURNS = ("{% for m in messages %}<|{{ m['role'] }}|>\n"
+          "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL{% endfor %}{% else %}{{ m['content'] }}{% endif %}"
+          "<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# the parts of Qwen2.5's and Llama 3.1's templates that matter here: how tools are shown, how a call is written
+HERMES_TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\nYou may call functions. Signatures: "
+                   "{% for t in tools %}{{ t | tojson }}{% endfor %}\nFor each call, return "
+                   '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|end|>\n'
+                   "{% endif %}" + _TURNS.replace("CALL", "<tool_call>\n{{ c.function | tojson }}\n</tool_call>"))
+LLAMA_TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\nRespond with a JSON for a function call, in the format "
+                  '{"name": function name, "parameters": dictionary of argument name and its value}. '
+                  "{% for t in tools %}{{ t | tojson }}{% endfor %}<|end|>\n{% endif %}"
+                  + _TURNS.replace("CALL", '{"name": "{{ c.function.name }}", "parameters": '
+                                           "{{ c.function.arguments | tojson }}}"))
+
+
+class _Template:
+    def __init__(self, text: str | None) -> None:
+        self.chat_template = text
+
+
+def test_the_format_is_read_from_the_template():
+    assert call_format(_Template(HERMES_TEMPLATE)) == HERMES
+    assert call_format(_Template(LLAMA_TEMPLATE)) == LLAMA
+    assert call_format(_Template(CHAT_TEMPLATE)) == FALLBACK  # takes no tools
+    assert call_format(_Template(None)) == FALLBACK
+    assert call_format(_Template("{% for t in tools %}[TOOL_CALLS]{% endfor %}")) == FALLBACK  # a format we do not know
+
+
+def test_a_hermes_grammar_allows_one_block_unless_parallel():
+    one = call_grammar(ToolPlan(tuple(TOOLS), "required", parallel=False), HERMES)
+    many = call_grammar(ToolPlan(tuple(TOOLS), "required"), HERMES)
+    assert one.kind == many.kind == "lark" and "start: call\n" in one.schema and "{0,7}" in many.schema
+    named = call_grammar(ToolPlan(tuple(TOOLS), "named", "get_time", parallel=False), LLAMA)
+    assert json.loads(named.schema)["properties"]["name"] == {"const": "get_time"}
+
+
+@pytest.fixture(scope="module", params=[HERMES, LLAMA])
+def native_server(request, tmp_path_factory):
+    """The 2k-context tiny Llama with a Hermes or a Llama 3.1 template, served on our engine in this process."""
+    from tests.serving.conftest import build_tiny_model
+    from tests.serving.test_api_server import running_server
+
+    model = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), max_pos=2048)
+    (model / "chat_template.jinja").write_text(HERMES_TEMPLATE if request.param == HERMES else LLAMA_TEMPLATE)
+    with running_server(model, EngineConfig(max_num_seqs=8)) as (base, engine):
+        yield request.param, base, engine
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_constrained_call_is_written_in_the_templates_format_and_validates(native_server, tool_choice):
+    import httpx
+
+    fmt, base, engine = native_server
+    assert call_format(engine.tokenizer) == fmt
+    body = {"model": "micro", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS,
+            "tool_choice": tool_choice, "max_tokens": 200, "temperature": 1.0, "seed": 3}
+    for seed in range(4):
+        answer = httpx.post(f"{base}/v1/chat/completions", json={**body, "seed": seed}, timeout=120).json()
+        assert "choices" in answer, answer
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        calls = choice["message"]["tool_calls"]
+        assert len(calls) == 1 or (fmt == HERMES and tool_choice == "required")
+        for call in calls:
+            Draft202012Validator(SCHEMAS[call["function"]["name"]]).validate(json.loads(call["function"]["arguments"]))
+            if isinstance(tool_choice, dict):
+                assert call["function"]["name"] == "get_weather"
+        # what the model wrote, token for token: the template's own format
+        streamed, ids = [], []
+        with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120,
+                          json={**body, "seed": seed, "stream": True, "return_token_ids": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    for c in event.get("choices", []):
+                        ids += c.get("token_ids", [])
+                        streamed += c.get("delta", {}).get("tool_calls") or []
+        text = engine.tokenizer.decode(ids)
+        assert text.startswith("<tool_call>\n{" if fmt == HERMES else '{"name":'), text
+        assert ('"arguments":' if fmt == HERMES else '"parameters":') in text
+        parsed = parse_calls(text, ToolPlan(tuple(TOOLS), "required"))
+        assert [c["function"] for c in parsed] == [c["function"] for c in calls]  # the same seed, the same calls
+        names = [d["function"]["name"] for d in streamed if d.get("id")]
+        arguments = {}
+        for d in streamed:
+            arguments[d["index"]] = arguments.get(d["index"], "") + d["function"].get("arguments", "")
+        assert names == [c["function"]["name"] for c in calls]
+        assert [arguments[i] for i in sorted(arguments)] == [c["function"]["arguments"] for c in calls]
