@@ -15,6 +15,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "configs" / "smoke-distributed.ya
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")  # the ephemeral server's start is test_stop_signals' subject, not this
 def test_the_distributed_smoke_recipe_trains_every_stage_in_two_processes(tmp_path: Path) -> None:
     recipe = yaml.safe_load(RECIPE.read_text())
     assert all(recipe["training"][s]["distributed"]["num_processes"] == 2 for s in ("sft", "dpo", "grpo"))

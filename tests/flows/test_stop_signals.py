@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from artifacts.common.net import free_port, wait_until_ready
 from flows.stop_signals import StopRequested, StopSignals
@@ -108,8 +109,18 @@ def test_a_stop_signal_unwinds_as_one_exception_with_the_signals_exit_status() -
 
 
 @pytest.mark.slow
+def _with_a_long_sft(recipe_path: Path) -> Path:
+    """The smoke recipe with an SFT stage far longer than the test's wait (3 steps finish in ~2 s on a quiet host,
+    and the signal then found the next stage running, or the resumed run never ran SFT at all: CI, session 45)."""
+    recipe = yaml.safe_load(recipe_path.read_text())
+    recipe["training"]["sft"].update(max_steps=2000, save_steps=1000)
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return recipe_path
+
+
 def test_run_stopped_during_a_stage_exits_at_once_says_how_to_resume_and_resumes(micro_recipe: Path,
                                                                                   tmp_path: Path) -> None:
+    micro_recipe = _with_a_long_sft(micro_recipe)
     command = [*LIFECYCLE, "run", str(micro_recipe)]
     home, first_err, second_err = tmp_path / "home", tmp_path / "first.err", tmp_path / "second.err"
 

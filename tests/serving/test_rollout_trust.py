@@ -1,7 +1,9 @@
 """Verdicts a user can trust, end to end with real parts.
 
 - A/A through `deploy` on real `lifecycle serve` processes (the engine-core layout users run), judged with
-  the plan's real tolerances: a candidate identical to the champion is never rolled back. The canary is
+  the plan's real tolerances: a candidate identical to the champion is never rolled back. The same story is the
+  deploy command's: the first champion, a serve flag handed to the candidate's replica, the controller in the
+  background as a Prefect flow that retires the old replicas when it promotes. The canary is
   judged against a baseline replica that shows as its own variant; the candidate was registered by hand
   without an eval record, so the rollout pauses on that fact until a person waives it with
   `deploy resume --waive eval_record`, which the decision log and the version's tags record.
@@ -94,16 +96,26 @@ def test_a_a_through_deploy_is_never_rolled_back_and_a_waiver_gets_past_a_missin
     try:
         first = deploy("snapshot", f"models:/{MODEL}/1", *common, *serve, home=home)
         assert first.returncode == 0, first.stderr[-3000:]
+        assert "v1 is champion (first champion" in first.stdout
+        status = json.loads(deploy("status", *common, "--json", home=home).stdout)
+        assert status["variants"] == [{"variant": "champion", "version": "1", "replicas": 1, "healthy": 1,
+                                       "weight": 100, "mirrored": None}]
+        again = deploy("snapshot", f"models:/{MODEL}/1", *common, home=home)
+        assert again.returncode == 0 and "version 1 is already champion" in again.stdout
         key = (fleet_dir / "traffic.key").read_text().strip()
         traffic = TrafficGenerator(_fleet_record(fleet_dir)["gateway_url"], key, TrafficSpec(
             data_dir=str(data), users=400, concurrency=3, max_tokens=12), model=MODEL).start()
         try:
             plan = tmp_path / "plan.yaml"
             plan.write_text(yaml.safe_dump(_probe_plan(data).to_json()))
-            started = deploy("snapshot", f"models:/{MODEL}/2", *common, *serve, "--plan", str(plan), "--probes",
-                             str(data), home=home)
-            assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+            # a serve flag the fleet does not set itself goes on to the candidate's replica (one that leaves its
+            # latency alone: this is an A/A); `--wait` follows the rollout here until it waits for a person
+            started = deploy("snapshot", f"models:/{MODEL}/2", *common, *serve, "--max-queue", "300", "--plan",
+                             str(plan), "--probes", str(data), "--wait", home=home)
+            assert started.returncode == 4, started.stdout[-2000:] + started.stderr[-2000:]  # 4: paused
             assert "baseline for the canary steps: a fresh replica of v1" in started.stdout
+            assert "v2's replica serves with: --max-queue 300" in started.stdout
+            assert "rollout paused:" in started.stdout and "deploy promote|rollback|resume" in started.stdout
             rollout_dir = Path(_fleet_record(fleet_dir)["rollout_dir"])
             paused = _wait_phase(rollout_dir, {"paused", "rolled_back", "promoted"})
             assert paused.phase == "paused", paused.reason
@@ -144,6 +156,21 @@ def test_a_a_through_deploy_is_never_rolled_back_and_a_waiver_gets_past_a_missin
         assert tags["rollout.waived"].startswith("eval_record by ") and "rollout.waive" not in tags
         metrics = client.get_run(done.mlflow_run_id).data.metrics
         assert metrics["baseline.requests"] > 0 and metrics["candidate.requests"] > 0
+        assert str(client.get_model_version_by_alias(MODEL, "champion").version) == "2"
+        assert str(client.get_model_version_by_alias(MODEL, "previous-champion").version) == "1"
+        # the background controller (a Prefect flow) retired v1's replica and the baseline when it finished
+        deadline = time.monotonic() + 120
+        while [r["version"] for r in _fleet_record(fleet_dir)["replicas"]] != ["2"]:
+            assert time.monotonic() < deadline, _fleet_record(fleet_dir)["replicas"]
+            time.sleep(0.5)
+        (replica,) = _fleet_record(fleet_dir)["replicas"]
+        assert replica["serve_flags"] == ["--max-queue", "300"]
+        command = Path(f"/proc/{replica['pid']}/cmdline").read_bytes().split(b"\0")
+        assert command[command.index(b"--max-queue") + 1] == b"300"
+        log = next((fleet_dir / "logs").glob("controller-*.log")).read_text()
+        assert "rollout" in log and "promoted" in log
+        shown = deploy("status", *common, home=home)
+        assert shown.returncode == 0 and "promoted" in shown.stdout and "v2" in shown.stdout
     finally:
         deploy("stop", *common, home=home)
 
