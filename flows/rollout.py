@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from rich.console import Console
 
-from flows.recipe import RolloutSection
+if TYPE_CHECKING:  # the recipe's modules bring torch and transformers, which a background controller never needs
+    from flows.recipe import RolloutSection
 
 console = Console(stderr=True)
 # on a version whose pipeline rollout stopped unfinished: the command that rolls it out on the deploy fleet
