@@ -109,9 +109,11 @@ def _locate(spec: StructuredOutput, error: str) -> str:
     (``Unimplemented keys: ["not"]``): the first place that keyword appears, else the schema itself."""
     if "keys:" not in error:
         return spec.where
+    # a Lark grammar's JSON part is the schema after its `%json` (tool_grammar writes one, on the last line)
+    text = spec.schema.rsplit("%json", 1)[-1] if spec.kind == "lark" else spec.schema
     try:
         keys = json.loads(error.split("keys:", 1)[1].strip().splitlines()[0])
-        schema = json.loads(spec.schema)
+        schema = json.loads(text)
     except (ValueError, IndexError):
         return spec.where
     path = _find_key(schema, set(keys))

@@ -103,3 +103,15 @@ def test_a_constrained_call_is_written_in_the_templates_format_and_validates(nat
             arguments[d["index"]] = arguments.get(d["index"], "") + d["function"].get("arguments", "")
         assert names == [c["function"]["name"] for c in calls]
         assert [arguments[i] for i in sorted(arguments)] == [c["function"]["arguments"] for c in calls]
+
+
+def test_a_parameter_schema_the_grammar_cannot_hold_is_a_400_naming_its_keyword(native_server):
+    import httpx
+
+    _, base, _ = native_server
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}
+    answer = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "model": "micro", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "required"})
+    assert answer.status_code == 400, answer.text
+    assert ".a.not" in answer.json()["error"]["message"], answer.text
