@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serving.api.tool_calls import ToolPlan
+from serving.api.tool_calls import ToolPlan, template_takes_tools
 from serving.engine.structured_output import StructuredOutput
 
 FALLBACK, LLAMA, HERMES = "fallback", "llama", "hermes"
@@ -26,9 +26,9 @@ MAX_PARALLEL_CALLS = 8
 
 def call_format(tokenizer: Any) -> str:
     """The tool-call format ``tokenizer``'s chat template shows the model (read from the template's text)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or "tools" not in template:
+    if not template_takes_tools(tokenizer):
         return FALLBACK
+    template = tokenizer.chat_template
     if "<tool_call>" in template:
         return HERMES
     if '"parameters"' in template:
