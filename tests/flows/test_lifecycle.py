@@ -1,4 +1,6 @@
-"""The whole pipeline on the micro recipe, through the real CLI, Prefect engine and MLflow store."""
+"""The whole pipeline on the shipped two-process smoke recipe (configs/smoke-distributed.yaml: configs/smoke.yaml
+with SFT, DPO, GRPO and the draft each trained in two gloo processes), through the real CLI, Prefect engine and
+MLflow store. Single-process training runs the same pipeline in the schedule, new-data and stop-signal tests."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import pytest
 import yaml
 
 LIFECYCLE = [sys.executable, "-m", "flows.cli"]
+DISTRIBUTED_RECIPE = Path(__file__).resolve().parents[2] / "configs" / "smoke-distributed.yaml"
+DISTRIBUTED_STAGES = ("sft", "dpo", "grpo")
 EXPECTED_STAGES = {
     "base", "data", "eval-base", "sft", "eval-sft", "dpo", "eval-dpo", "grpo", "eval-grpo", "draft", "quantize",
     "bundle-fp", "eval-bundle-fp", "release-fp", "bundle-gptq", "eval-bundle-gptq", "release-gptq",
@@ -30,19 +34,28 @@ def run_lifecycle(recipe: Path, summary: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("on_prefect_server")
-def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe: Path, tmp_path: Path) -> None:
+def test_pipeline_runs_every_stage_in_two_processes_tracks_it_and_reruns_from_cache(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
+    recipe = yaml.safe_load(DISTRIBUTED_RECIPE.read_text())
+    assert all(recipe["training"][s]["distributed"]["num_processes"] == 2 for s in DISTRIBUTED_STAGES)
+    assert recipe["draft"]["distributed"]["num_processes"] == 2
+    recipe.update(name="micro-e2e", workdir=str(tmp_path / "workdir"))
     # the rollout stage waits for a person before it promotes: the stage ends with the rollout unfinished, which
     # is what a pause does too (a pipeline run never waits for a person)
-    recipe = yaml.safe_load(micro_recipe.read_text())
     recipe["rollout"]["plan"]["promotion_approval"] = "required"
-    micro_recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    first = run_lifecycle(micro_recipe, tmp_path / "first.json")
+    recipe_path = tmp_path / "micro.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    first = run_lifecycle(recipe_path, tmp_path / "first.json")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     summary = json.loads((tmp_path / "first.json").read_text())
     assert set(summary["stages"]) == EXPECTED_STAGES
     assert not any(stage["cached"] for stage in summary["stages"].values())
+    for stage in DISTRIBUTED_STAGES:  # rank 1 ran and wrote its log beside rank 0's output
+        out = Path(summary["stages"][stage]["path"])
+        assert (out / "workers" / "rank-1.log").is_file(), sorted(p.name for p in out.iterdir())
+    draft_dir = Path(summary["stages"]["draft"]["path"])
+    assert (draft_dir.parent / f".{draft_dir.name}.workers" / "rank-1.log").is_file()
     assert "task acc" in first.stdout and "lifecycle ui" in first.stdout
     # third-party banners and housekeeping stay out of the terminal (gptqmodel's, imported by peft and by
     # transformers for the 4-bit checkpoint; MLflow's "Creating initial MLflow database tables")
@@ -65,7 +78,7 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
     assert any(serve in note for note in summary["notes"]), summary["notes"]
 
     # MLflow: one pipeline run, one nested run per stage, eval metrics on the eval runs.
-    workdir = Path(yaml.safe_load(micro_recipe.read_text())["workdir"])
+    workdir = Path(yaml.safe_load(recipe_path.read_text())["workdir"])
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("micro-e2e")
     runs = client.search_runs([experiment.experiment_id])
@@ -101,7 +114,7 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
         _an_unfinished_rehearsal_says_what_rolls_it_out(rollout, client, tmp_path)
 
     # Second run: every stage comes from the cache and no stage opens a new MLflow run.
-    second = run_lifecycle(micro_recipe, tmp_path / "second.json")
+    second = run_lifecycle(recipe_path, tmp_path / "second.json")
     assert second.returncode == 0, second.stderr[-5000:]
     again = json.loads((tmp_path / "second.json").read_text())
     if rollout["result"] != "rolled_back":  # the unfinished rollout is not rehearsed again; the line says what to run
@@ -114,7 +127,7 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
     # Removing one stage's output directory re-runs exactly that stage; the others stay cached.
     (dpo_dir,) = (workdir / "runs" / "micro-e2e").glob("dpo-*")
     shutil.rmtree(dpo_dir)
-    third = run_lifecycle(micro_recipe, tmp_path / "third.json")
+    third = run_lifecycle(recipe_path, tmp_path / "third.json")
     assert third.returncode == 0, third.stderr[-5000:]
     rerun = json.loads((tmp_path / "third.json").read_text())
     assert [name for name, s in rerun["stages"].items() if not s["cached"]] == ["dpo"]
@@ -122,10 +135,10 @@ def test_pipeline_runs_every_stage_tracks_it_and_reruns_from_cache(micro_recipe:
     # A gate no model can pass: the releases (whose key holds the gates) run again and fail, nothing is rolled out,
     # and the report names, per failed gate, the step that lost the metric (or that none reached it) and the
     # recipe keys to look at.
-    recipe = yaml.safe_load(micro_recipe.read_text())
+    recipe = yaml.safe_load(recipe_path.read_text())
     recipe["gates"] = [*recipe.get("gates", []), "task_accuracy >= 1.01"]
-    micro_recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    fourth = run_lifecycle(micro_recipe, tmp_path / "fourth.json")
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    fourth = run_lifecycle(recipe_path, tmp_path / "fourth.json")
     assert fourth.returncode == 0, fourth.stderr[-5000:]
     failed = json.loads((tmp_path / "fourth.json").read_text())
     assert {name for name, s in failed["stages"].items() if not s["cached"]} == {"release-fp", "release-gptq"}
