@@ -246,9 +246,7 @@ class Controller:
                         f"{waive_hint(result.failed())}", CONTROLLER)
             return
         if outcome == INCONCLUSIVE:
-            # one fact that no window can settle (a missing eval record) means a person decides in the end:
-            # pause now rather than extend for the traffic gates first (was `any`: a look whose latency gates
-            # were also short of samples extended twice, then paused on the same fact)
+            # a fact no window can settle (no eval record) waits for a person anyway: pause now, not after extending
             waiting_helps = all(A.more_time_helps(v) for v in result.inconclusive())
             if waiting_helps and state.extensions < self.plan.max_extensions:
                 state.extensions += 1
