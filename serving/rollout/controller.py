@@ -247,16 +247,16 @@ class Controller:
             return
         if outcome == INCONCLUSIVE:
             # a fact no window can settle (no eval record) waits for a person anyway: pause now, not after extending
-            waiting_helps = all(A.more_time_helps(v) for v in result.inconclusive())
+            facts = ", ".join(v.gate for v in result.inconclusive() if not A.more_time_helps(v))
+            waiting_helps = not facts
             if waiting_helps and state.extensions < self.plan.max_extensions:
                 state.extensions += 1
-                self._record("extend", state.phase, state.phase,
-                             f"inconclusive, extending ({state.extensions}/{self.plan.max_extensions}): "
-                             f"{result.reasons}", CONTROLLER)
+                self._record("extend", state.phase, state.phase, f"inconclusive, extending ({state.extensions}/"
+                             f"{self.plan.max_extensions}): {result.reasons}", CONTROLLER)
                 self._save()
                 return
             why = (f"still inconclusive after {state.extensions} extension(s)" if waiting_helps
-                   else "inconclusive, and more traffic would not change it")
+                   else f"inconclusive, and more traffic would not change it ({facts})")
             self._pause(f"{why}: {result.reasons}{waive_hint(result.inconclusive())}", CONTROLLER)
             return
         self._advance(f"analysis {result.look} passed ({result.summary})")

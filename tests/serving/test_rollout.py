@@ -279,15 +279,17 @@ def test_an_inconclusive_fact_pauses_at_once_stays_on_resume_and_a_waiver_by_tag
     candidate = registry.versions["a2"]
     with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
         # latency is not this test's subject: on a loaded 2-core runner an A/A canary's TTFT can read ×1.4 for a
-        # whole step (CI, session 40), so the step gets the plan's two extensions and a wider latency tolerance
-        gates = Gates(max_ttft_ratio=2.0, max_itl_ratio=2.0)
+        # whole step (CI, session 40), and the shadow's p95 ms/token ×3.0 (make test, session 46: inconclusive,
+        # so the pause named it beside eval_record), so the latency tolerances are wide (×4: the smoke recipe's)
+        gates = Gates(max_ttft_ratio=2.0, max_itl_ratio=2.0, max_ms_per_token_p95_ratio=4.0)
         controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", fast_plan(gates=gates)))
         traffic = TrafficGenerator(f["gateway_url"], f["user_key"], TrafficSpec(concurrency=3, max_tokens=12),
                                    model=MODEL).start()
         try:
             state = controller.run_until_done(max_seconds=60, stop_when_waiting=True)
             assert state.phase == "paused", state.reason
-            assert "more traffic would not change it" in state.reason and "--waive eval_record" in state.reason
+            assert "more traffic would not change it (eval_record)" in state.reason, state.reason
+            assert "--waive eval_record" in state.reason
             assert not _decisions(state, "extend")
             client.set_model_version_tag(MODEL, candidate, "rollout.action", "resume")
             state = controller.run_until_done(max_seconds=60, stop_when_waiting=True)
