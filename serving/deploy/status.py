@@ -67,6 +67,8 @@ def _rollout_summary(state, controller_alive: bool) -> dict | None:
     last = state.analyses[-1] if state.analyses else None
     return {"id": state.id, "candidate": state.spec.candidate_version, "champion": state.spec.champion_version,
             "phase": state.phase, "weight": state.weight, "reason": state.reason,
+            # a transition under way (routing moved, aliases or the record not yet): what the routing above may show
+            "moving_to": state.pending.to_phase if state.pending is not None else None,
             "controller": "running" if controller_alive else "not running",
             "waivers": state.waivers,
             "last_analysis": None if last is None else {
@@ -98,6 +100,7 @@ def _print_status(status: dict, state) -> None:
         return
     console.print(f"rollout {rollout['id']}: v{rollout['candidate']} vs champion v{rollout['champion']} — "
                   f"[bold]{rollout['phase']}[/]" + (f" at {rollout['weight']:g}%" if rollout["weight"] else "")
+                  + (f" → {rollout['moving_to']} (under way)" if rollout["moving_to"] else "")
                   + f" (controller {rollout['controller']}; MLflow run {rollout['mlflow_run']})", highlight=False)
     if rollout["reason"]:
         console.print(f"  reason: {rollout['reason']}", highlight=False)

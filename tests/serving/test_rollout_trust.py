@@ -134,9 +134,10 @@ def test_a_a_through_deploy_is_never_rolled_back_and_a_waiver_gets_past_a_missin
             _wait_phase(rollout_dir, {"canary", "rolled_back", "promoted"}, timeout=120)
             status = json.loads(deploy("status", *common, "--json", home=home).stdout)
             variants = {row["variant"]: row for row in status["variants"]}
-            # status reads the routing, then the state: when the state still says canary, the routing was read in
-            # the step (on a loaded host the 10 s step can end while `deploy status` starts up)
-            if status["rollout"]["phase"] == "canary":
+            # status reads the routing, then the state: when the state still says canary with no transition under
+            # way, the routing was read in the step (on a loaded host the 10 s step can end while `deploy status`
+            # starts up; the promotion moves the routing first, then the aliases, then the phase: `moving_to`)
+            if status["rollout"]["phase"] == "canary" and status["rollout"]["moving_to"] is None:
                 assert variants["baseline"]["version"] == "1" and variants["baseline"]["weight"] == 50
                 assert variants["canary"]["version"] == "2" and variants["canary"]["weight"] == 50
             done = _wait_phase(rollout_dir, {"rolled_back", "promoted"}, timeout=300)
