@@ -57,6 +57,11 @@ class Reply:
     tokens: int
     ttft_s: float
 
+    @property
+    def refused(self) -> bool:
+        """The server answered with an error status instead of a reply (finish_reason ``http NNN``)."""
+        return self.finish_reason.startswith("http ")
+
 
 async def _chat(client, base: str, body: dict) -> Reply:
     """One streamed chat request: its text, finish reason, completion tokens and time to first token."""
@@ -137,7 +142,7 @@ def _validity(schemas: list[dict], replies: list[Reply]) -> tuple[int, int, int,
     refused = finished = valid = cut = 0
     problems = []
     for schema, reply in zip(schemas, replies):
-        if reply.finish_reason.startswith("http "):
+        if reply.refused:
             refused += 1
             problems.append(f"refused ({reply.finish_reason}): {reply.text[:120]}")
         if reply.finish_reason == "length":
@@ -160,7 +165,7 @@ def measure(server: str, base: str, args) -> Figures:
     asyncio.run(_run_all(base, constrained[:args.concurrency], args.concurrency))  # warm-up: compile paths, caches
     replies, wall = asyncio.run(_run_all(base, constrained, args.concurrency))
     refused, finished, valid, cut, problems = _validity(schemas, replies)
-    answered = [r for r in replies if not r.finish_reason.startswith("http ")]
+    answered = [r for r in replies if not r.refused]
     free = [{"max_tokens": max(r.tokens, 1), "min_tokens": max(r.tokens, 1), "ignore_eos": True,
              "temperature": 1.0, "seed": i} for i, r in enumerate(answered)]
     free_replies, free_wall = asyncio.run(_run_all(base, free, args.concurrency))
