@@ -31,7 +31,7 @@ STAGES = {"sft": ("training.sft", "SFT_SPEC", "SFTStageConfig"),
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this worker when the process that launched it dies (a killed stage must not leave
     workers training on beside its re-run); exit at once if it is already gone."""
-    from training.launcher import PARENT_PID_ENV
+    from training.ranks import PARENT_PID_ENV
 
     if sys.platform.startswith("linux"):
         import ctypes

@@ -6,7 +6,9 @@ caller. It gets the `env://` rendezvous variables torch.distributed reads (what 
 accelerate and so the Hugging Face Trainer use to build DDP or FSDP), dies with the process that started it
 (a stage killed mid-run must leave no orphans training on, so that its re-run resumes from the checkpoint
 alone), and reports a user error in its own words, not as a launcher's stack of tracebacks. What the workers
-run is `python -m training.distributed_worker JOB` (training/distributed_worker.py).
+run is `python -m training.distributed_worker JOB` (training/distributed_worker.py). On CPU (Linux) the workers
+are forked from this process's worker fork server (training/worker_forkserver.py), which imported the training
+libraries once: a fresh worker paid ~17 s of CPU in imports before its first step, once per rank and stage.
 
 Rank 0 writes to this process's terminal (its progress bar is the stage's); every other rank writes
 `<log_dir>/rank-<r>.log`, which a failure names.
@@ -25,12 +27,13 @@ from typing import Any
 from artifacts.common.atomic import atomic_write_json
 from artifacts.common.net import free_port
 from training.distributed_config import DistributedSettings
-from training.ranks import WORKER_ENV
+from training.forked_workers import ForkedWorker, fork_server
+from training.ranks import PARENT_PID_ENV, WORKER_ENV
 from training.stage_config import TrainingError
 
 JOB_FILE = "job.json"
-PARENT_PID_ENV = "LIFECYCLE_PARENT_PID"
 STOP_GRACE_SECONDS = 10.0
+Worker = subprocess.Popen | ForkedWorker
 
 
 def error_file(log_dir: Path, rank: int) -> Path:
@@ -102,8 +105,7 @@ def launch_workers(job: dict[str, Any], settings: DistributedSettings, device: s
     job_path = log_dir / JOB_FILE
     atomic_write_json(job_path, {**job, "log_dir": str(log_dir)})
     port = free_port()
-    command = [sys.executable, "-m", "training.distributed_worker", str(job_path)]
-    workers: list[subprocess.Popen] = []
+    workers: list[Worker] = []
     logs = []
     try:
         for rank in range(settings.num_processes):
@@ -111,8 +113,8 @@ def launch_workers(job: dict[str, Any], settings: DistributedSettings, device: s
             if rank:
                 out = open(log_dir / f"rank-{rank}.log", "wb")  # noqa: SIM115 - closed in finally
                 logs.append(out)
-            workers.append(subprocess.Popen(command, env=worker_environment(rank, settings, port, device),
-                                            stdout=out, stderr=out))
+            env = worker_environment(rank, settings, port, device)
+            workers.append(_start_worker(job_path, env, device, f"{label}-rank{rank}", out))
         failed = _wait(workers)
     finally:
         _stop(workers)
@@ -123,7 +125,17 @@ def launch_workers(job: dict[str, Any], settings: DistributedSettings, device: s
         raise _failure(rank, workers[rank].returncode, settings.num_processes, log_dir, label)
 
 
-def _wait(workers: list[subprocess.Popen]) -> list[int]:
+def _start_worker(job_path: Path, env: dict[str, str], device: str, name: str, out: Any) -> Worker:
+    """A worker forked from the fork server (CPU on Linux), else a fresh `python -m training.distributed_worker`
+    (CUDA: a forked child cannot use CUDA safely, and the import is small beside a GPU step)."""
+    if device == "cpu" and sys.platform.startswith("linux"):
+        stdout, stderr = (out.fileno(), out.fileno()) if out is not None else (1, 2)
+        return ForkedWorker(fork_server(), job_path, env, name, stdout, stderr)
+    return subprocess.Popen([sys.executable, "-m", "training.distributed_worker", str(job_path)], env=env,
+                            stdout=out, stderr=out)
+
+
+def _wait(workers: list[Worker]) -> list[int]:
     """Poll until every worker has exited 0 (no ranks) or some have failed (their ranks)."""
     while True:
         codes = [w.poll() for w in workers]
@@ -152,7 +164,7 @@ def _root_cause(failed: list[int], log_dir: Path) -> int:
     return failed[0]
 
 
-def _stop(workers: list[subprocess.Popen]) -> None:
+def _stop(workers: list[Worker]) -> None:
     """Terminate whoever still runs (the peers of a failed worker block in a collective), then kill."""
     for worker in workers:
         if worker.poll() is None:

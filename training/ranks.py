@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 
 WORKER_ENV = "LIFECYCLE_DISTRIBUTED_WORKER"
+# the pid a worker dies with: its launcher, or the fork server it was forked from (training.worker_forkserver)
+PARENT_PID_ENV = "LIFECYCLE_PARENT_PID"
 
 
 def is_worker() -> bool:

@@ -15,9 +15,9 @@ from training.checkpoints import latest_checkpoint
 
 
 def kill_at_first_checkpoint(script: str, args: list[str], out: Path, tmp_path: Path, timeout: float = 300,
-                             before_kill: Callable[[], None] | None = None) -> int:
+                             before_kill: Callable[[int], None] | None = None) -> int:
     """Run ``script`` (python source; ``sys.argv[1:]`` is ``args`` then this folder, for imports) as a child,
-    kill it once ``out/checkpoints`` holds a complete checkpoint (``before_kill`` runs just before), and return
+    kill it once ``out/checkpoints`` holds a complete checkpoint (``before_kill(pid)`` runs just before), and return
     the step of the newest complete checkpoint left behind."""
     path = tmp_path / "child.py"
     path.write_text(script)
@@ -31,7 +31,7 @@ def kill_at_first_checkpoint(script: str, args: list[str], out: Path, tmp_path: 
             assert time.monotonic() < deadline, f"no checkpoint within {timeout:.0f} s"
             time.sleep(0.05)
         if before_kill is not None:
-            before_kill()
+            before_kill(child.pid)
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:

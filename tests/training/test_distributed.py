@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import textwrap
 import time
-from pathlib import Path
 
 import mlflow
 import psutil
@@ -50,8 +49,9 @@ def losses(result) -> list[tuple[int, float]]:
     return [(row["step"], row["loss"]) for row in result.log_history if "loss" in row]
 
 
-def workers_of(job: Path) -> list[psutil.Process]:
-    return [proc for proc in psutil.process_iter(["cmdline"]) if str(job) in (proc.info["cmdline"] or [])]
+def workers_of(stage_pid: int) -> list[psutil.Process]:
+    """The stage's worker processes (named `sft-rank<r>` by the fork server they were forked from)."""
+    return [proc for proc in psutil.Process(stage_pid).children(recursive=True) if proc.name().startswith("sft-rank")]
 
 
 CHILD = textwrap.dedent("""
@@ -70,15 +70,16 @@ def test_two_gloo_processes_killed_and_resumed_train_the_model_one_process_train
 
     # two processes, their stage process SIGKILLed after a checkpoint: the workers die with it
     out = tmp_path / "two"
-    job = out / WORKER_LOGS_DIR / "job.json"
+    left_behind: list[psutil.Process] = []
 
-    def both_workers_run() -> None:
-        assert len(workers_of(job)) == 2
+    def both_workers_run(stage_pid: int) -> None:
+        assert len(workers_of(stage_pid)) == 2
+        left_behind.extend(psutil.Process(stage_pid).children(recursive=True))  # the workers and their fork server
 
     killed_at = kill_at_first_checkpoint(CHILD, [str(micro_base_dir), str(micro_data_dir), str(out)], out, tmp_path,
                                          timeout=240, before_kill=both_workers_run)
     deadline = time.monotonic() + 30
-    while workers_of(job):
+    while [proc for proc in left_behind if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE]:
         assert time.monotonic() < deadline, "workers outlived their stage process"
         time.sleep(0.2)
     assert 2 <= killed_at < STEPS and not (out / FINISHED_MARKER).exists()

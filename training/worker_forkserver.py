@@ -1,0 +1,164 @@
+"""`python -m training.worker_forkserver FD`: a process that imports the training libraries once and forks a
+stage's CPU workers from that state.
+
+Why: a worker started fresh pays ~17 s of CPU on a 2-core host before it trains a step (`import peft` alone is
+12 s: it pulls in torch's dynamo, inductor and distributed-tensor modules; `from trl import SFTTrainer,
+DPOTrainer, GRPOTrainer` 14 s), so a pipeline with four two-process stages paid it eight times. This server pays it
+once per launching process; each worker after that is a `fork()` of it, started in milliseconds. It is a clean
+process to fork (one thread, no CUDA, none of the caller's threads or locks), which the caller itself is not.
+CUDA stages keep fresh processes (training.launcher): a CUDA context does not survive a fork, and next to a GPU
+step the import is small.
+
+It speaks over a SOCK_SEQPACKET socket (one JSON message a packet):
+- in: ``{"fork": {job, env, cwd, name}}`` with two file descriptors (the worker's stdout and stderr), answered by
+  ``{"pid": P}``; ``{"signal": P, "signum": S}`` to stop a worker it forked (by the server, which knows whether
+  P is still its child: no signal reaches a reused pid);
+- out: ``{"ready": true}`` once the libraries are imported, ``{"exited": P, "code": C}`` when a worker ends
+  (C as ``Popen.returncode`` reads it: negative for a signal).
+
+It dies with the process that started it (the parent-death signal, and the end of the socket), and its workers
+with it, so a killed stage leaves no worker training on beside its re-run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+
+MAX_MESSAGE = 1 << 20
+# what a worker imports before it trains; imported here once. Not the model or data: those are the job's.
+PRELOAD = ("torch", "transformers", "accelerate", "peft", "trl", "training.finetune_stage", "training.sft",
+           "training.dpo", "training.grpo", "training.draft", "training.distributed_worker")
+# what the stage functions import inside their bodies (the heavy part of a worker's start)
+PRELOAD_NAMES = {"trl": ("SFTTrainer", "DPOTrainer", "GRPOTrainer")}
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+
+
+def send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
+    socket.send_fds(sock, [json.dumps(message).encode()], fds or [])
+
+
+def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """One message and the descriptors sent with it; (None, []) when the other end has closed."""
+    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+    return (json.loads(data) if data else None), fds
+
+
+def _prctl(option: int, value: int | bytes) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value)
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when its parent dies; exit at once if the parent is already gone."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def preload() -> None:
+    """Import what every worker needs; a library missing here is the worker's own error to report, not ours."""
+    from artifacts.common.quiet import quiet_warnings
+
+    quiet_warnings()
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(name)
+            for attribute in PRELOAD_NAMES.get(name, ()):
+                getattr(module, attribute)
+
+
+def _run_worker(request: dict, fds: list[int], server: int, started: int) -> None:
+    """In the forked child: become the worker the request describes, run it, and exit with its status. Writing
+    to `started` tells the server the worker is named and bound to its life, before its pid is handed out."""
+    code = 1
+    try:
+        _die_with(server)
+        _prctl(PR_SET_NAME, request["name"].encode()[:15])  # what `ps -o comm` and psutil's name() show
+        os.write(started, b"1")
+        os.close(started)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in fds:
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = [sys.argv[0], request["job"]]
+        from training.distributed_worker import main
+
+        code = main([request["job"]])
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # noqa: BLE001 - the worker's last word goes to its log, then its status
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()  # what a normal exit runs (MLflow, torch), as a fresh process would
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(sock: socket.socket) -> None:
+    """Fork a worker per request, report each one's end, and stop (killing any left) when the caller is gone."""
+    children: set[int] = set()
+    me = os.getpid()
+    while True:
+        readable, _, _ = select.select([sock], [], [], 0.1)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        if not readable:
+            continue
+        message, fds = receive(sock)
+        if message is None:
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        if "signal" in message:
+            if message["signal"] in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(message["signal"], message["signum"])
+            continue
+        started, child_started = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            os.close(started)
+            _run_worker(message["fork"], fds, me, child_started)
+        os.close(child_started)
+        os.read(started, 1)  # b"" if it died first: its exit is reported like any other
+        os.close(started)
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        send(sock, {"pid": pid})
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    _die_with(int(os.environ["LIFECYCLE_PARENT_PID"]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the workers and their launcher, not the server
+    preload()
+    send(sock, {"ready": True})
+    serve(sock)
+
+
+if __name__ == "__main__":
+    main()
