@@ -4,6 +4,7 @@ logprobs with ``top_logprobs``, SSE streaming, and vLLM's ``continue_final_messa
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -23,7 +24,7 @@ from serving.api.tool_calls import (
     template_messages,
     template_takes_tools,
 )
-from serving.api.tool_grammar import call_format, call_grammar
+from serving.api.tool_grammar import MISTRAL, call_format, call_grammar
 from serving.engine import RequestOutput
 
 
@@ -31,12 +32,15 @@ class ChatServing(OpenAIServing):
     async def create(self, request: Request) -> Any:
         req: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        fmt = call_format(self.tok)
+        if plan is not None and fmt == MISTRAL:
+            plan = replace(plan, short_ids=True)
         ids = self._prompt(req, plan)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
         top = req.top_logprobs or 0
-        held_to_calls = call_grammar(plan, call_format(self.tok)) if plan is not None and plan.constrained else None
+        held_to_calls = call_grammar(plan, fmt, self.tok) if plan is not None and plan.constrained else None
         make = SamplingFactory(req, self.state.engine.sampling_defaults, max_tokens,
                                top if req.logprobs else None, None, structured=held_to_calls)
         gen = self.start(request, "chatcmpl", [ids], make)

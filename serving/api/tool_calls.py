@@ -5,7 +5,8 @@ Two ways a model calls a tool:
 
 - **its chat template's own format**, where the template takes ``tools`` (Llama 3.1 writes
   ``{"name": ..., "parameters": {...}}``, Qwen2.5 wraps ``{"name": ..., "arguments": {...}}`` in
-  ``<tool_call>`` tags): the tools go to the template and the reply is parsed in that format;
+  ``<tool_call>`` tags, Mistral writes its ``[TOOL_CALLS]`` token and an array): the tools go to the template and
+  the reply is parsed in that format;
 - **the fallback** for templates without tools (ours among them): a system message lists the tools, a signature
   line each (``tool_listing.py``), and asks for a JSON array of calls, ``[{"name": ..., "arguments": {...}}]``.
 
@@ -32,6 +33,7 @@ FALLBACK_INSTRUCTIONS = ("You can call these functions. To call one or more, rep
 # of a few words instead of the ~150 tokens the instructions cost a byte-level tokenizer (a small context's room)
 CONSTRAINED_HEADER = "Reply with a call to one of these functions:\n"
 _TAGGED_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+MISTRAL_CALLS = "[TOOL_CALLS]"  # the control token Mistral's templates open a reply of calls with
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class ToolPlan:
     choice: str
     name: str | None = None  # the function a named choice forces
     parallel: bool = True
+    # Mistral's templates refuse a call id that is not 9 letters and digits (``raise_exception``), so a client
+    # sending the calls back would get a 400: its calls get ids of that shape
+    short_ids: bool = False
 
     @property
     def names(self) -> set[str]:
@@ -111,18 +116,20 @@ def _arguments(call: dict) -> Any:
     return arguments
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call_id(short: bool = False) -> str:
+    """OpenAI's shape (``call_`` and 24 hex digits), or the 9 letters and digits Mistral's templates require."""
+    return uuid.uuid4().hex[:9] if short else f"call_{uuid.uuid4().hex[:24]}"
 
 
 def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:
     """The OpenAI ``tool_calls`` a reply makes, or None when it is a plain answer (or ``tool_choice`` is none).
 
-    Read in every format we know: the fallback's array, one call object (Llama 3.1 names the arguments
-    ``parameters``), or ``<tool_call>`` blocks (Qwen2.5). A call to a function the request did not send is text."""
+    Read in every format we know: the fallback's array (Mistral's too, after its ``[TOOL_CALLS]`` token), one
+    call object (Llama 3.1 names the arguments ``parameters``), or ``<tool_call>`` blocks (Qwen2.5). A call to a
+    function the request did not send is text."""
     if plan.choice == "none":
         return None
-    stripped = text.strip()
+    stripped = text.strip().removeprefix(MISTRAL_CALLS).strip()  # there when special tokens are kept
     found: list[Any] = []
     tagged = _TAGGED_CALL.findall(stripped)
     try:
@@ -136,7 +143,7 @@ def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:
         if not isinstance(call, dict) or call.get("name") not in plan.names:
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append({"id": new_call_id(), "type": "function",
+        calls.append({"id": new_call_id(plan.short_ids), "type": "function",
                       "function": {"name": call["name"],
                                    "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}})
     return calls or None
@@ -150,6 +157,7 @@ class CallStream:
     The grammar writes the array compactly, in schema order (``[{"name":"f","arguments":{...}},...]``), so the
     reader needs no general JSON parser: it finds each name, then follows the arguments object's depth."""
 
+    short_ids: bool = False
     buffer: str = ""
     calls: int = 0
     _pos: int = 0
@@ -170,7 +178,7 @@ class CallStream:
                 match = self._NAME.search(self.buffer, self._pos)
                 if match is None:
                     break
-                self.ids.append(new_call_id())
+                self.ids.append(new_call_id(self.short_ids))
                 deltas.append({"index": self.calls, "id": self.ids[-1], "type": "function",
                                "function": {"name": json.loads(f'"{match[1]}"'), "arguments": ""}})
                 self._pos, self._in_arguments, self._depth = match.end(), True, 0
@@ -209,9 +217,12 @@ class StreamedChoice:
     it is one, as text if not; any other reply streams as text from its first token."""
 
     plan: ToolPlan
-    calls: CallStream = field(default_factory=CallStream)
+    calls: CallStream = field(init=False)
     held: str = ""
     streaming_text: bool = False
+
+    def __post_init__(self) -> None:
+        self.calls = CallStream(short_ids=self.plan.short_ids)
 
     def feed(self, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
         """(content, tool_calls deltas, finish_reason) for the next delta; ``finish_reason`` on the last one."""

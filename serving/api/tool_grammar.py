@@ -6,7 +6,11 @@ the model was shown, so that the grammar and the prompt tell the model the same 
 - **llama** (Llama 3.1-3.3 templates: "respond with a JSON for a function call ... ``{"name": function name,
   "parameters": ...}``"): one ``{"name": ..., "parameters": {...}}`` object, as those templates take one call a turn;
 - **hermes** (Qwen2.5, Hermes and the templates that copied them): each call a ``{"name": ..., "arguments": ...}``
-  object inside ``<tool_call>`` tags, a line apart; a Lark grammar with the object as ``%json``.
+  object inside ``<tool_call>`` tags, a line apart; a Lark grammar with the object as ``%json``;
+- **mistral** (Mistral's v3+ templates, Mistral-Nemo, Mistral-Small): the control token ``[TOOL_CALLS]`` then a
+  JSON array of ``{"name": ..., "arguments": {...}}``. The grammar names the token by id (``<[id]>``), so the model
+  writes the one token its template taught it, never the twelve characters spelled out; a reply decoded without
+  special tokens is then the fallback's array, which ``parse_calls`` reads.
 
 A template that takes tools in a format we do not know gets the fallback's array, which ``parse_calls`` reads.
 Every format is written compactly in schema order, which is what ``CallStream`` reads as it streams.
@@ -17,10 +21,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serving.api.tool_calls import ToolPlan, template_takes_tools
+from serving.api.tool_calls import MISTRAL_CALLS, ToolPlan, template_takes_tools
 from serving.engine.structured_output import StructuredOutput
 
-FALLBACK, LLAMA, HERMES = "fallback", "llama", "hermes"
+FALLBACK, LLAMA, HERMES, MISTRAL = "fallback", "llama", "hermes", "mistral"
 MAX_PARALLEL_CALLS = 8
 
 
@@ -31,13 +35,18 @@ def call_format(tokenizer: Any) -> str:
     template = tokenizer.chat_template
     if "<tool_call>" in template:
         return HERMES
+    if MISTRAL_CALLS in template:
+        return MISTRAL
     if '"parameters"' in template:
         return LLAMA
     return FALLBACK
 
 
-def call_grammar(plan: ToolPlan, fmt: str) -> StructuredOutput:
+def call_grammar(plan: ToolPlan, fmt: str, tokenizer: Any = None) -> StructuredOutput:
     """The grammar of a reply that is only calls to the plan's tools (the named one, if it names one)."""
+    if fmt == MISTRAL:
+        calls = json.dumps({**call_schema(plan), "x-guidance": {"whitespace_flexible": False}}, separators=(",", ":"))
+        return StructuredOutput.lark(f"start: {_mistral_opening(tokenizer)} body\nbody: %json {calls}", where="tools")
     if fmt == LLAMA:
         return StructuredOutput.json_schema(_one_of(_call_objects(plan, "parameters")), where="tools")
     if fmt == HERMES:
@@ -49,6 +58,13 @@ def call_grammar(plan: ToolPlan, fmt: str) -> StructuredOutput:
                           f"body: %json {call}"])
         return StructuredOutput.lark(lark, where="tools")
     return StructuredOutput.json_schema(call_schema(plan), where="tools")
+
+
+def _mistral_opening(tokenizer: Any) -> str:
+    """``[TOOL_CALLS]`` in the grammar: the control token by id where the vocabulary has it as one token, else
+    the text (a template that spells it out in a vocabulary without it)."""
+    ids = tokenizer.encode(MISTRAL_CALLS, add_special_tokens=False) if tokenizer is not None else []
+    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(MISTRAL_CALLS)
 
 
 def call_schema(plan: ToolPlan) -> dict:

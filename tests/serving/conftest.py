@@ -29,7 +29,7 @@ CORPUS = [
 
 
 def build_tiny_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                     seed: int = 0, max_pos: int = 512) -> Path:
+                     seed: int = 0, max_pos: int = 512, specials: tuple[str, ...] = ()) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -37,11 +37,11 @@ def build_tiny_model(out: Path, *, hidden: int = 64, layers: int = 2, heads: int
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS + list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   additional_special_tokens=SPECIALS[3:])
+                                   additional_special_tokens=SPECIALS[3:] + list(specials))
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     end_id = fast.convert_tokens_to_ids("<|end|>")

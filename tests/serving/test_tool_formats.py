@@ -1,6 +1,7 @@
 """A required or named tool choice is held to the format the model's chat template shows it: Llama 3.1's one
-``{"name", "parameters"}`` object, Hermes/Qwen2.5's ``<tool_call>`` blocks, our fallback's array. The calls parse
-and validate whatever the model (here a random-init tiny Llama with each template), streamed or not."""
+``{"name", "parameters"}`` object, Hermes/Qwen2.5's ``<tool_call>`` blocks, Mistral's ``[TOOL_CALLS]`` token and
+array, our fallback's array. The calls parse and validate whatever the model (here a random-init tiny Llama with
+each template), streamed or not, and go back through the template they came from."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from serving.api.tool_calls import ToolPlan, parse_calls
-from serving.api.tool_grammar import FALLBACK, HERMES, LLAMA, call_format, call_grammar
+from serving.api.tool_grammar import FALLBACK, HERMES, LLAMA, MISTRAL, call_format, call_grammar
 from serving.engine import EngineConfig
 from tests.serving.conftest import CHAT_TEMPLATE
 from tests.serving.test_tool_calls import SCHEMAS, TOOLS
@@ -29,6 +30,21 @@ LLAMA_TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\nRespond with a JSON 
                   + _TURNS.replace("CALL", '{"name": "{{ c.function.name }}", "parameters": '
                                            "{{ c.function.arguments | tojson }}}"))
 
+# Mistral's v3 template in brief: tools in [AVAILABLE_TOOLS], calls as the [TOOL_CALLS] control token then a JSON
+# array, results in [TOOL_RESULTS]; a call id that is not 9 characters is refused, as the real template does
+_NINE = ("{% if ID|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+         "{% endif %}")
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}" + _NINE.replace("ID", "m.tool_call_id")
+    + '[TOOL_RESULTS]{"content": {{ m.content | tojson }}, "call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]'
+    "{% elif m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}" + _NINE.replace("ID", "c.id")
+    + '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, "id": "{{ c.id }}"}'
+    "{% if not loop.last %}, {% endif %}{% endfor %}]</s>{% elif m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+TEMPLATES = {HERMES: HERMES_TEMPLATE, LLAMA: LLAMA_TEMPLATE, MISTRAL: MISTRAL_TEMPLATE}
+OPENING = {HERMES: "<tool_call>\n{", LLAMA: '{"name":', MISTRAL: '[TOOL_CALLS][{"name":'}
+
 
 class _Template:
     def __init__(self, text: str | None) -> None:
@@ -38,9 +54,11 @@ class _Template:
 def test_the_format_is_read_from_the_template():
     assert call_format(_Template(HERMES_TEMPLATE)) == HERMES
     assert call_format(_Template(LLAMA_TEMPLATE)) == LLAMA
+    assert call_format(_Template(MISTRAL_TEMPLATE)) == MISTRAL
     assert call_format(_Template(CHAT_TEMPLATE)) == FALLBACK  # takes no tools
     assert call_format(_Template(None)) == FALLBACK
-    assert call_format(_Template("{% for t in tools %}[TOOL_CALLS]{% endfor %}")) == FALLBACK  # a format we do not know
+    unknown = "{% for t in tools %}<function_call>{% endfor %}"  # a format we do not know
+    assert call_format(_Template(unknown)) == FALLBACK
 
 
 def test_a_hermes_grammar_allows_one_block_unless_parallel():
@@ -51,14 +69,30 @@ def test_a_hermes_grammar_allows_one_block_unless_parallel():
     assert json.loads(named.schema)["properties"]["name"] == {"const": "get_time"}
 
 
-@pytest.fixture(scope="module", params=[HERMES, LLAMA])
+def test_a_mistral_grammar_opens_with_the_control_token_by_id_where_the_vocabulary_has_it(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.serving.conftest import build_tiny_model
+
+    plan = ToolPlan(tuple(TOOLS), "required")
+    with_token = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "m", specials=("[TOOL_CALLS]",)))
+    token = with_token.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert call_grammar(plan, MISTRAL, with_token).schema.startswith(f"start: <[{token}]> body\n")
+    spelled = call_grammar(plan, MISTRAL, AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "t")))
+    assert spelled.schema.startswith('start: "[TOOL_CALLS]" body\n')  # not one token there: the text
+    assert json.loads(spelled.schema.split("%json ", 1)[1])["type"] == "array"
+
+
+@pytest.fixture(scope="module", params=[HERMES, LLAMA, MISTRAL])
 def native_server(request, tmp_path_factory):
-    """The 2k-context tiny Llama with a Hermes or a Llama 3.1 template, served on our engine in this process."""
+    """The 2k-context tiny Llama with a Hermes, a Llama 3.1 or a Mistral template (and, for Mistral, its
+    ``[TOOL_CALLS]`` control token in the vocabulary), served on our engine in this process."""
     from tests.serving.conftest import build_tiny_model
     from tests.serving.test_api_server import running_server
 
-    model = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), max_pos=2048)
-    (model / "chat_template.jinja").write_text(HERMES_TEMPLATE if request.param == HERMES else LLAMA_TEMPLATE)
+    specials = ("[TOOL_CALLS]",) if request.param == MISTRAL else ()
+    model = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), max_pos=2048, specials=specials)
+    (model / "chat_template.jinja").write_text(TEMPLATES[request.param])
     with running_server(model, EngineConfig(max_num_seqs=8)) as (base, engine):
         yield request.param, base, engine
 
@@ -70,14 +104,14 @@ def test_a_constrained_call_is_written_in_the_templates_format_and_validates(nat
     fmt, base, engine = native_server
     assert call_format(engine.tokenizer) == fmt
     body = {"model": "micro", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS,
-            "tool_choice": tool_choice, "max_tokens": 200, "temperature": 1.0, "seed": 3}
+            "tool_choice": tool_choice, "max_tokens": 1200, "temperature": 1.0, "seed": 3}
     for seed in range(4):
         answer = httpx.post(f"{base}/v1/chat/completions", json={**body, "seed": seed}, timeout=120).json()
         assert "choices" in answer, answer
         choice = answer["choices"][0]
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
         calls = choice["message"]["tool_calls"]
-        assert len(calls) == 1 or (fmt == HERMES and tool_choice == "required")
+        assert len(calls) == 1 or (fmt in (HERMES, MISTRAL) and tool_choice == "required")
         for call in calls:
             Draft202012Validator(SCHEMAS[call["function"]["name"]]).validate(json.loads(call["function"]["arguments"]))
             if isinstance(tool_choice, dict):
@@ -93,8 +127,8 @@ def test_a_constrained_call_is_written_in_the_templates_format_and_validates(nat
                         ids += c.get("token_ids", [])
                         streamed += c.get("delta", {}).get("tool_calls") or []
         text = engine.tokenizer.decode(ids)
-        assert text.startswith("<tool_call>\n{" if fmt == HERMES else '{"name":'), text
-        assert ('"arguments":' if fmt == HERMES else '"parameters":') in text
+        assert text.startswith(OPENING[fmt]), text
+        assert ('"parameters":' if fmt == LLAMA else '"arguments":') in text
         parsed = parse_calls(text, ToolPlan(tuple(TOOLS), "required"))
         assert [c["function"] for c in parsed] == [c["function"] for c in calls]  # the same seed, the same calls
         names = [d["function"]["name"] for d in streamed if d.get("id")]
@@ -115,3 +149,33 @@ def test_a_parameter_schema_the_grammar_cannot_hold_is_a_400_naming_its_keyword(
         "model": "micro", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "required"})
     assert answer.status_code == 400, answer.text
     assert ".a.not" in answer.json()["error"]["message"], answer.text
+
+
+@pytest.mark.parametrize("native_server", [MISTRAL], indirect=True)
+def test_mistral_calls_carry_the_ids_its_template_takes_back(native_server):
+    """Mistral's template refuses a call id that is not 9 letters and digits: the ids we hand out go back through
+    it in the client's next turn (streamed ones too), where OpenAI's ``call_...`` shape gets the template's 400."""
+    import httpx
+
+    _, base, _ = native_server
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    body = {"model": "micro", "messages": messages, "tools": TOOLS, "tool_choice": "required",
+            "parallel_tool_calls": False, "max_tokens": 400, "seed": 1}
+    calls = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"][
+        "tool_calls"]
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as response:
+        streamed = [d["id"] for line in response.iter_lines() if line.startswith("data: {")
+                    for c in json.loads(line[6:]).get("choices", [])
+                    for d in c.get("delta", {}).get("tool_calls") or [] if d.get("id")]
+    assert streamed and all(len(i) == 9 and i.isalnum() for i in [c["id"] for c in calls] + streamed)
+
+    def next_turn(call_ids: list[str]) -> httpx.Response:
+        sent = [{**c, "id": i} for c, i in zip(calls, call_ids)]
+        results = [{"role": "tool", "tool_call_id": i, "content": "12 C"} for i in call_ids]
+        return httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": "micro", "max_tokens": 4, "tools": TOOLS,
+            "messages": [*messages, {"role": "assistant", "content": None, "tool_calls": sent}, *results]})
+
+    assert next_turn([c["id"] for c in calls]).status_code == 200
+    refused = next_turn(["call_" + "0" * 24 for _ in calls])
+    assert refused.status_code == 400 and "length 9" in refused.json()["error"]["message"]
