@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from training.ranks import PARENT_PID_ENV
@@ -43,10 +42,11 @@ class ForkServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def fork(self, job: Path, env: dict[str, str], name: str, stdout: int, stderr: int) -> int:
-        """Start a worker running `job` with exactly `env`; return its pid."""
-        request = {"job": str(job), "env": {**env, PARENT_PID_ENV: str(self.process.pid)}, "cwd": os.getcwd(),
-                   "name": name}
+    def fork(self, command: list[str], env: dict[str, str], name: str, stdout: int, stderr: int) -> int:
+        """Start a worker running `command` (``[module, *argv]``, as after ``python -m``) with exactly `env`;
+        return its pid."""
+        request = {"module": command[0], "argv": command[1:], "env": {**env, PARENT_PID_ENV: str(self.process.pid)},
+                   "cwd": os.getcwd(), "name": name}
         with self.lock:
             send(self.sock, {"fork": request}, [stdout, stderr])
             return self._expect("pid", 60.0)
@@ -109,10 +109,10 @@ def fork_server() -> ForkServer:
 class ForkedWorker:
     """A worker forked by the server, held like a `subprocess.Popen`."""
 
-    def __init__(self, server: ForkServer, job: Path, env: dict[str, str], name: str, stdout: int,
+    def __init__(self, server: ForkServer, command: list[str], env: dict[str, str], name: str, stdout: int,
                  stderr: int) -> None:
         self.server = server
-        self.pid = server.fork(job, env, name, stdout, stderr)
+        self.pid = server.fork(command, env, name, stdout, stderr)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:

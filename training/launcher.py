@@ -32,6 +32,7 @@ from training.ranks import PARENT_PID_ENV, WORKER_ENV
 from training.stage_config import TrainingError
 
 JOB_FILE = "job.json"
+WORKER_MODULE = "training.distributed_worker"  # run by name, as `python -m` runs it: the worker runs the stages
 STOP_GRACE_SECONDS = 10.0
 Worker = subprocess.Popen | ForkedWorker
 
@@ -128,11 +129,11 @@ def launch_workers(job: dict[str, Any], settings: DistributedSettings, device: s
 def _start_worker(job_path: Path, env: dict[str, str], device: str, name: str, out: Any) -> Worker:
     """A worker forked from the fork server (CPU on Linux), else a fresh `python -m training.distributed_worker`
     (CUDA: a forked child cannot use CUDA safely, and the import is small beside a GPU step)."""
+    command = [WORKER_MODULE, str(job_path)]
     if device == "cpu" and sys.platform.startswith("linux"):
         stdout, stderr = (out.fileno(), out.fileno()) if out is not None else (1, 2)
-        return ForkedWorker(fork_server(), job_path, env, name, stdout, stderr)
-    return subprocess.Popen([sys.executable, "-m", "training.distributed_worker", str(job_path)], env=env,
-                            stdout=out, stderr=out)
+        return ForkedWorker(fork_server(), command, env, name, stdout, stderr)
+    return subprocess.Popen([sys.executable, "-m", *command], env=env, stdout=out, stderr=out)
 
 
 def _wait(workers: list[Worker]) -> list[int]:

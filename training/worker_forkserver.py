@@ -10,9 +10,10 @@ CUDA stages keep fresh processes (training.launcher): a CUDA context does not su
 step the import is small.
 
 It speaks over a SOCK_SEQPACKET socket (one JSON message a packet):
-- in: ``{"fork": {job, env, cwd, name}}`` with two file descriptors (the worker's stdout and stderr), answered by
-  ``{"pid": P}``; ``{"signal": P, "signum": S}`` to stop a worker it forked (by the server, which knows whether
-  P is still its child: no signal reaches a reused pid);
+- in: ``{"fork": {module, argv, env, cwd, name}}`` with two file descriptors (the worker's stdout and stderr),
+  answered by ``{"pid": P}``: the child runs ``module`` as ``python -m module *argv`` would, in that environment;
+  ``{"signal": P, "signum": S}`` to stop a worker it forked (by the server, which knows whether P is still its
+  child: no signal reaches a reused pid);
 - out: ``{"ready": true}`` once the libraries are imported, ``{"exited": P, "code": C}`` when a worker ends
   (C as ``Popen.returncode`` reads it: negative for a signal).
 
@@ -27,6 +28,7 @@ import contextlib
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -95,12 +97,12 @@ def _run_worker(request: dict, fds: list[int], server: int, started: int) -> Non
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        sys.argv = [sys.argv[0], request["job"]]
-        from training.distributed_worker import main
-
-        code = main([request["job"]])
+        # what `python -m MODULE ARGV...` runs; by name, as the command line did (the server knows no worker code)
+        sys.argv = [request["module"], *request["argv"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1  # as the interpreter
     except BaseException:  # noqa: BLE001 - the worker's last word goes to its log, then its status
         traceback.print_exc()
     finally:

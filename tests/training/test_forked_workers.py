@@ -12,7 +12,7 @@ import pytest
 
 from training.distributed_config import DistributedSettings
 from training.forked_workers import ForkedWorker, fork_server
-from training.launcher import launch_workers
+from training.launcher import WORKER_MODULE, launch_workers
 
 
 def _blocked_job(tmp_path: Path) -> Path:
@@ -27,8 +27,9 @@ def test_workers_are_forked_from_one_server_held_like_processes_and_stopped_by_s
     assert fork_server() is server and server.alive()
     job = _blocked_job(tmp_path)
     with open(tmp_path / "out.log", "wb") as out:
-        first = ForkedWorker(server, job, dict(os.environ), "probe-rank0", out.fileno(), out.fileno())
-        second = ForkedWorker(server, job, dict(os.environ), "probe-rank1", out.fileno(), out.fileno())
+        command = [WORKER_MODULE, str(job)]
+        first = ForkedWorker(server, command, dict(os.environ), "probe-rank0", out.fileno(), out.fileno())
+        second = ForkedWorker(server, command, dict(os.environ), "probe-rank1", out.fileno(), out.fileno())
     for worker, name in ((first, "probe-rank0"), (second, "probe-rank1")):
         process = psutil.Process(worker.pid)
         assert process.ppid() == server.process.pid and process.name() == name
