@@ -4,7 +4,7 @@ of every process it started, children, grandchildren and daemons included.
 Why not `/usr/bin/time`: it counts only the children the command waited for. A pipeline's training workers, its
 Prefect server and a fork server's workers are not all reaped by the process `time` watches, and on a 2-core host
 the CPU they use is what makes everything else slower. Linux only: the command runs in a session of its own, and
-`/proc` is read every half second for the processes of that session (one shorter than that may be missed).
+psutil reads the CPU of that session's processes every half second (one shorter than that may be missed).
 """
 
 from __future__ import annotations
@@ -16,22 +16,19 @@ import sys
 import threading
 import time
 
-TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
 
 def _session_cpu(session: int) -> dict[int, float]:
     """CPU seconds (user + system) of every live process of `session`, by pid."""
+    import psutil
+
     seen = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter():
         try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session:
-            seen[int(entry)] = (int(fields[11]) + int(fields[12])) / TICK
+            if os.getsid(proc.pid) == session:
+                times = proc.cpu_times()
+                seen[proc.pid] = times.user + times.system
+        except (OSError, psutil.Error):
+            continue  # gone between the listing and the read
     return seen
 
 

@@ -14,7 +14,6 @@ import importlib
 import json
 import logging
 import os
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -29,18 +28,13 @@ STAGES = {"sft": ("training.sft", "SFT_SPEC", "SFTStageConfig"),
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker when the process that launched it dies (a killed stage must not leave
-    workers training on beside its re-run); exit at once if it is already gone."""
+    """Ask Linux to SIGKILL this worker when the process that launched it (or the fork server it was forked from)
+    dies: a killed stage must not leave workers training on beside its re-run."""
+    from artifacts.common.parent_death import die_with_parent
     from training.ranks import PARENT_PID_ENV
 
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     parent = os.environ.get(PARENT_PID_ENV)
-    if parent and os.getppid() != int(parent):
-        os._exit(1)
+    die_with_parent(int(parent) if parent else None)
 
 
 def run_job(job: dict[str, Any]) -> None:

@@ -35,13 +35,15 @@ import socket
 import sys
 import traceback
 
+from artifacts.common.parent_death import die_with_parent, name_process
+from training.ranks import PARENT_PID_ENV
+
 MAX_MESSAGE = 1 << 20
 # what a worker imports before it trains; imported here once. Not the model or data: those are the job's.
 PRELOAD = ("torch", "transformers", "accelerate", "peft", "trl", "training.finetune_stage", "training.sft",
            "training.dpo", "training.grpo", "training.draft", "training.distributed_worker")
 # what the stage functions import inside their bodies (the heavy part of a worker's start)
 PRELOAD_NAMES = {"trl": ("SFTTrainer", "DPOTrainer", "GRPOTrainer")}
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 
 
 def send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
@@ -52,20 +54,6 @@ def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
     """One message and the descriptors sent with it; (None, []) when the other end has closed."""
     data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
     return (json.loads(data) if data else None), fds
-
-
-def _prctl(option: int, value: int | bytes) -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value)
-
-
-def _die_with(parent: int) -> None:
-    """SIGKILL this process when its parent dies; exit at once if the parent is already gone."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def preload() -> None:
@@ -85,8 +73,8 @@ def _run_worker(request: dict, fds: list[int], server: int, started: int) -> Non
     to `started` tells the server the worker is named and bound to its life, before its pid is handed out."""
     code = 1
     try:
-        _die_with(server)
-        _prctl(PR_SET_NAME, request["name"].encode()[:15])  # what `ps -o comm` and psutil's name() show
+        die_with_parent(server)
+        name_process(request["name"])
         os.write(started, b"1")
         os.close(started)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -155,7 +143,7 @@ def serve(sock: socket.socket) -> None:
 
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
-    _die_with(int(os.environ["LIFECYCLE_PARENT_PID"]))
+    die_with_parent(int(os.environ[PARENT_PID_ENV]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the workers and their launcher, not the server
     preload()
     send(sock, {"ready": True})

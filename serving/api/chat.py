@@ -32,8 +32,8 @@ class ChatServing(OpenAIServing):
     async def create(self, request: Request) -> Any:
         req: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-        fmt = call_format(self.tok)
-        if plan is not None and fmt == MISTRAL:
+        fmt = call_format(self.tok) if plan is not None else None
+        if fmt == MISTRAL:
             plan = replace(plan, short_ids=True)
         ids = self._prompt(req, plan)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

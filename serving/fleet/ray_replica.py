@@ -11,7 +11,6 @@ wherever the old one was. Runs on the cluster's nodes: imports only what `lifecy
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -25,10 +24,10 @@ from pathlib import Path
 import httpx
 
 from artifacts.common.net import answers_200
+from artifacts.common.parent_death import die_with_parent
 from serving.fleet.replica_backend import last_log_line
 
 REGISTER_FOR_S = 600.0  # how long a started server keeps trying to reach a gateway that does not answer
-_PR_SET_PDEATHSIG = 1
 
 
 def _server_process_setup() -> None:
@@ -37,10 +36,7 @@ def _server_process_setup() -> None:
     inherited it would lose the cores to every other process on a busy node (measured here: TTFT p95 ×1.44 at 16
     streams). Raising the priority back needs root or CAP_SYS_NICE; without them the server keeps Ray's
     niceness (``info()["niceness"]``), and nodes started with ``RAY_worker_niceness=0`` avoid it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+    die_with_parent()
     try:
         os.setpriority(os.PRIO_PROCESS, 0, 0)
     except OSError:
