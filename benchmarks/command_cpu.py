@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command after --")
-    code, wall, cpu, processes = measure(command)
+    try:
+        code, wall, cpu, processes = measure(command)
+    except OSError as exc:  # not found, not executable: one line, not a traceback
+        parser.error(f"{command[0]}: {exc.strerror}")
     print(f"| {args.label} | exit {code} | wall {wall:.1f} s | CPU {cpu:.1f} s | {processes} processes |",
           file=sys.stderr)
     return code
