@@ -54,6 +54,16 @@ def register_versions(tmp: Path, models: dict[str, Path], champion: bool = True,
     return Registry(tracking_uri, versions, bundles)
 
 
+def latency_not_the_subject() -> Gates:
+    """Wide latency tolerances for tests about the rollout's mechanics (approval, waivers), not its latency
+    judge. Replicas here are threads beside the suite's other worker: on a loaded 2-core runner an A/A canary's
+    TTFT has read HL ×1.30-1.40 for a whole step (CI, sessions 40 and 48) and the shadow's p95 ms/token ×3.0
+    (make test, session 46), above the default ×1.25 / ×1.5 but not significantly, so the step paused after
+    its extensions, as it should on that evidence. The judge's own A/A and planted-fault tests keep the
+    defaults."""
+    return Gates(max_ttft_ratio=3.0, max_itl_ratio=3.0, max_ms_per_token_p95_ratio=4.0)
+
+
 def fast_plan(**overrides) -> RolloutPlan:
     """Seconds-long phases and small minimums: the logic of a real rollout, at test speed, judged with the
     plan's real tolerances (the canary against a baseline replica of equal standing, not the champion pool)."""
