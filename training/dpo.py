@@ -1,7 +1,8 @@
 """Direct preference optimisation stage on `pref_train.jsonl` (TRL DPOTrainer + LoRA).
 
 The reference model is the stage's input model: TRL computes reference log-probs with the LoRA adapters
-switched off, so no second copy of the weights is loaded.
+switched off, so no second copy of the weights is loaded. With ``pairs: on_policy`` the file gives the prompts
+and references, and the pairs are the input model's own replies (training/on_policy_pairs.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from training.finetune_stage import StageContext, StageSpec, run_finetune_stage
+from training.finetune_stage import PreparedRecords, StageContext, StageSpec, run_finetune_stage
 from training.lora import keep_adapters_fp32
 from training.stage_config import DPOStageConfig, StageResult, TrainingError
 
@@ -42,8 +43,18 @@ def _build_trainer(ctx: StageContext):
     return trainer
 
 
+def _prepare_records(config: DPOStageConfig, model_dir: Path, records: list[dict[str, Any]], output_dir: Path,
+                     fingerprint: str) -> PreparedRecords:
+    if config.pairs != "on_policy":
+        return PreparedRecords(records)
+    from training.on_policy_pairs import PAIRS_FILE, mined_pairs
+
+    pairs, report = mined_pairs(config, model_dir, records, output_dir, fingerprint)
+    return PreparedRecords(pairs, report.metrics(), [Path(output_dir) / PAIRS_FILE])
+
+
 DPO_SPEC = StageSpec(name="dpo", data_file="pref_train.jsonl", required_columns=_COLUMNS, to_rows=_to_rows,
-                     build_trainer=_build_trainer)
+                     build_trainer=_build_trainer, prepare_records=_prepare_records)
 
 
 def run_dpo(config: DPOStageConfig, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:

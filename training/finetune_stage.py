@@ -65,6 +65,15 @@ class StageContext:
 
 
 @dataclass
+class PreparedRecords:
+    """What a stage's ``prepare_records`` hook made of its data file (DPO's on-policy pairs)."""
+
+    records: list[dict[str, Any]]
+    metrics: dict[str, float] = field(default_factory=dict)
+    artifacts: list[Path] = field(default_factory=list)
+
+
+@dataclass
 class StageSpec:
     name: str
     data_file: str
@@ -72,6 +81,8 @@ class StageSpec:
     to_rows: Callable[[list[dict[str, Any]], Path], list[dict[str, Any]]]  # validate + convert records
     build_trainer: Callable[[StageContext], Any]
     after_train: Optional[Callable[[StageContext, list[dict[str, Any]]], dict[str, float]]] = None
+    # records → the records trained on, with metrics and files to log; runs after the skip check, before training
+    prepare_records: Optional[Callable[[Any, Path, list[dict[str, Any]], Path, str], PreparedRecords]] = None
 
 
 def load_records(data_dir: Path, spec: StageSpec, limit: int | None) -> tuple[list[dict[str, Any]], Path]:
@@ -316,7 +327,15 @@ def run_finetune_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: 
     if read_finished_marker(output_dir) is not None and is_main_process():
         clear_stale_outputs(output_dir)
 
-    rows = spec.to_rows(records, data_path)
+    prepared = PreparedRecords(records)
+    if spec.prepare_records is not None:  # a worker reads back what its launching process prepared
+        prepared = spec.prepare_records(config, model_dir, records, output_dir, fingerprint)
+        if not prepared.records:
+            log.info("%s: nothing to train on after preparing %s; the stage keeps its input model", spec.name,
+                     data_path.name)
+            return StageResult(stage=spec.name, output_dir=model_dir, adapter_dir=None, skipped=True,
+                               metrics=prepared.metrics)
+    rows = spec.to_rows(prepared.records, data_path)
     if config.distributed.enabled and not is_worker():
         return _train_in_workers(spec, config, model_dir, data_dir, output_dir, fingerprint)
     hw = detect_hardware()
@@ -339,7 +358,7 @@ def run_finetune_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: 
     ctx = StageContext(config=config, hw=hw, model_dir=model_dir, output_dir=output_dir,
                        checkpoints_dir=checkpoints_dir, tokenizer=tokenizer, model=model,
                        dataset=Dataset.from_list(rows), args=_common_args(config, hw, checkpoints_dir),
-                       data_dir=data_dir)
+                       data_dir=data_dir, artifacts=list(prepared.artifacts))
     trainer = spec.build_trainer(ctx)
     attach_heldout_curve(trainer, config, model_dir, data_dir, tokenizer)
     _quiet_progress(trainer)
@@ -365,6 +384,7 @@ def run_finetune_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: 
     metrics["train_wall_seconds"] = round(time.monotonic() - started, 2)
     metrics["resumed_from_step"] = float(resumed_from_step)
     metrics.update(curve_summary(history))
+    metrics.update(prepared.metrics)
     if lengths.examples:
         metrics["truncated_examples"] = float(lengths.overlong)
         metrics["longest_example_tokens"] = float(lengths.longest)

@@ -24,6 +24,9 @@ class TrainingError(LifecycleError):
     """
 
 
+PAIR_SOURCES = ("static", "on_policy")  # DPOStageConfig.pairs
+
+
 def _check_positive(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -128,12 +131,20 @@ class DPOStageConfig(_StageBase):
     beta: float = 0.1
     sft_weight: float = 1.0  # weight of an NLL term on the chosen reply (RPO); keeps refusals and format anchored
     heldout_curve_every: int = 30
+    # where the pairs come from: "static" trains on pref_train.jsonl as written; "on_policy" samples the input
+    # model on its prompts and pairs its own wrong replies against right ones (training/on_policy_pairs.py)
+    pairs: str = "static"
+    on_policy_samples: int = 4  # draws per prompt
+    on_policy_temperature: float = 1.0  # the served default: the mistakes a client of our server would see
+    on_policy_max_new_tokens: int = 128  # the longest reference reply is ~150 tokens with its prompt
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive(self, "beta")
+        _check_positive(self, "beta", "on_policy_samples", "on_policy_temperature", "on_policy_max_new_tokens")
         if self.sft_weight < 0:
             raise ValueError(f"sft_weight: must be >= 0, got {self.sft_weight}")
+        if self.pairs not in PAIR_SOURCES:
+            raise ValueError(f"pairs: must be one of {', '.join(PAIR_SOURCES)}, got {self.pairs!r}")
 
 
 LOSS_TYPES = ("dapo", "dr_grpo", "grpo", "bnpo")
