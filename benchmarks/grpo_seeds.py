@@ -110,6 +110,15 @@ def print_tables(chains: list[SeedChain], k: int) -> None:
         print(f"| {c.seed} | {c.scores['sft']['task_accuracy']:.3f} | {c.scores['dpo']['task_accuracy']:.3f} | "
               f"{g['task_accuracy']:.3f} | {c.gain() * 100:+.1f} | {sampled} | {g['refusal_rate']:.3f} | "
               f"{g['over_refusal_rate']:.3f} | {c.seconds['grpo']:.0f} |")
+    print("\nWhat each stage exists for, per chain (refusal and preference accuracy at every stage; pref acc on the "
+          "held-out static pairs, where a chain was scored for it):\n")
+    print("| seed | refusal SFT / DPO / GRPO | pref acc SFT / DPO / GRPO | over-refusal (GRPO) |")
+    print("|---|---|---|---:|")
+    for c in chains:
+        refusals = " / ".join(f"{c.scores[s]['refusal_rate']:.3f}" for s in STAGES)
+        prefs = " / ".join(f"{c.scores[s]['preference_accuracy']:.3f}" if "preference_accuracy" in c.scores[s]
+                           else "n/a" for s in STAGES)
+        print(f"| {c.seed} | {refusals} | {prefs} | {c.scores['grpo']['over_refusal_rate']:.3f} |")
     print()
     gains = [c.gain() * 100 for c in chains]
     spread = statistics.stdev(gains) if len(gains) > 1 else 0.0

@@ -158,6 +158,12 @@ def mined_pairs(config: Any, model_dir: Path, records: list[dict[str, Any]], out
             saved = {}
         if saved.get("fingerprint") == fingerprint:
             return saved["pairs"], MiningReport(**saved["report"])
+    from training.ranks import is_worker
+    from training.stage_config import TrainingError
+
+    if is_worker():  # each rank sampling its own pairs would train the ranks on different data
+        raise TrainingError(f"{path}: no on-policy pairs for this stage; the launching process mines them "
+                            "before it starts the workers")
     judges = [judge_for(r) for r in records]
     verifiable = [i for i, j in enumerate(judges) if j is not None]
     drawn = sample_replies(model_dir, [records[i]["prompt"] for i in verifiable], config.on_policy_samples,

@@ -88,6 +88,10 @@ def test_pipeline_runs_every_stage_in_two_processes_tracks_it_and_reruns_from_ca
                 if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert set(children) == EXPECTED_STAGES
     assert "task_accuracy" in children["eval-sft"].data.metrics
+    # DPO's on-policy pairs: mined here once, trained on by both workers, logged with their counts
+    dpo_dir = Path(summary["stages"]["dpo"]["path"])
+    mined = json.loads((dpo_dir / "on_policy_pairs.json").read_text())
+    assert children["dpo"].data.metrics["on_policy_pairs"] == sum(mined["report"]["pairs"].values()) > 0
     assert children["sft"].data.params["input_model"] == summary["stages"]["base"]["path"]
 
     # The bundles verify, carry an eval record, and are registered; the shipped variant got the alias.
