@@ -203,8 +203,7 @@ def _load_tokenizer(model_dir: Path):
 
 _SUMMARY_KEYS = ("loss", "reward", "kl", "mean_token_accuracy", "rewards/accuracies", "rewards/margins",
                  "rewards/correctness_reward/mean", "rewards/format_reward/mean", "rewards/partial_credit_reward/mean",
-                 "rewards/work_reward/mean",
-                 "rewards/length_penalty/mean",
+                 "rewards/work_reward/mean", "rewards/length_penalty/mean",
                  "completions/mean_length", "frac_reward_zero_std", "informative_group_fraction")
 
 
@@ -330,7 +329,7 @@ def run_finetune_stage(spec: StageSpec, config: Any, model_dir: Path, data_dir: 
     prepared = PreparedRecords(records)
     if spec.prepare_records is not None:  # a worker reads back what its launching process prepared
         prepared = spec.prepare_records(config, model_dir, records, output_dir, fingerprint)
-        if not prepared.records:
+        if not prepared.records:  # e.g. DPO whose input model got every sampled reply right
             log.info("%s: nothing to train on after preparing %s; the stage keeps its input model", spec.name,
                      data_path.name)
             return StageResult(stage=spec.name, output_dir=model_dir, adapter_dir=None, skipped=True,

@@ -19,6 +19,7 @@ def test_dpo_defaults_are_the_tuned_values_not_the_one_that_erased_refusals():
     tuned = yaml.safe_load(DEFAULT.read_text())["training"]["dpo"]
     assert DPOStageConfig().learning_rate == tuned["learning_rate"] != 5e-4
     assert DPOStageConfig().sft_weight == tuned["sft_weight"]
+    assert DPOStageConfig().pairs == tuned["pairs"] == "on_policy"
 
 
 def test_every_key_that_matters_is_set_by_the_shipped_recipes():

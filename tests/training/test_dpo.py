@@ -13,7 +13,8 @@ from training.stage_config import DPOStageConfig, LoraSettings, TrainingError
 
 def tiny_dpo(**overrides) -> DPOStageConfig:
     # sft_weight 0: plain DPO (its loss starts at ln 2); the default adds the NLL term
-    values = dict(max_steps=4, batch_size=4, learning_rate=5e-3, beta=0.1, sft_weight=0.0, save_steps=2,
+    # pairs static: these tests are about DPO's own mechanics (test_on_policy_pairs.py samples the model)
+    values = dict(pairs="static", max_steps=4, batch_size=4, learning_rate=5e-3, beta=0.1, sft_weight=0.0, save_steps=2,
                   logging_steps=1, lora=LoraSettings(r=4, alpha=8), heldout_curve_prompts=4)
     values.update(overrides)
     return DPOStageConfig(**values)
