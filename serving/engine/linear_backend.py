@@ -1,36 +1,47 @@
-"""Which CPU GEMM library runs the compact path's fp32 projections: MKL with packed weights, or oneDNN's.
+"""Which GEMM runs the compact path's fp32 projections on CPU: MKL's packed sgemm, oneDNN's packed inner product, or
+our own tiled kernel (``csrc/tiled_gemm.cpp``).
 
-Why: both libraries ship inside torch's x86 wheels and both can hold a weight in a packed layout prepared
-once at load time. On Intel CPUs MKL's packed sgemm (``mkl::_mkl_linear``, the op inductor uses for frozen
-fp32 linears) beats oneDNN's packed inner product at every row count the engine runs: 1.1-2.3x at one row
-(a batch-1 decode), 4-22% at 64 rows (a 64-stream decode step), up to 6% at 512 (a prefill chunk), one
-projection at a time on 2 threads. On an AMD CPU MKL's sgemm was the slower of the two (unpacked ``F.linear``
-against packed oneDNN, every projection of one forward: 3% slower at one row, 2.4-3.4x from 4 rows up), so
-there oneDNN stays.
+Why three: each was the fastest somewhere, measured one projection at a time through ``DenseLinear`` on 2 threads.
+- **Intel CPUs: MKL with packed weights** (``mkl::_mkl_linear``, the op inductor uses for frozen fp32 linears). It
+  beat oneDNN's packed inner product at every row count the engine runs: 1.1-2.3x at one row (a batch-1 decode),
+  4-22% at 64 rows, up to 6% at 512; the bench model's batch-1 decode ran at its DRAM floor (0.99x).
+- **Other x86 CPUs (AMD) with AVX2 + FMA: the tiled kernel.** There MKL's sgemm was the slower library, and oneDNN's
+  GEMV read the weights at 10-11 GB/s (AMD EPYC, AVX2 only, 2026-11-29): a batch-1 decode step spent ~10 ms in the
+  projections. Our kernel holds each weight in 8-column tiles, one contiguous stream per tile, and reads it at
+  19-21 GB/s: 0.50-0.56x oneDNN's time at one row, 0.65-0.73x at 16 rows, 0.76-0.86x at 64. At 512 rows (prefill
+  chunks) it is the slower, 1.13-1.22x, a cost paid once per prompt against a gain on every token
+  (``benchmarks/cpu_gemm.py``; RESULTS.md, "On AMD").
+- **oneDNN** elsewhere: bf16 where it supports it, fp32 when the kernels cannot be built (no compiler, no AVX2,
+  ``LLM_LIFECYCLE_CPU_KERNELS=0``).
 
 MKL packs B for an ``m`` given at packing time, and ``mkl::_mkl_linear`` only uses the packed weight when
 called with that same ``m``; torch passes the row count through, so the engine passes every call's own row
 count. That a packed B serves any ``m`` is MKL's behaviour, not its documented contract, so before the first
 weight is packed ``mkl_packed_works`` checks it against ``F.linear`` at several row counts in this process and
-the engine falls back to oneDNN if it does not hold.
+the engine falls back if it does not hold.
 
-``LLM_LIFECYCLE_CPU_GEMM=onednn`` (or ``mkl``) in the environment overrides the choice, for A/B runs and as a way
-out should a torch build's MKL misbehave; ``auto`` (the default) chooses as above.
+``LLM_LIFECYCLE_CPU_GEMM=mkl|onednn|tiled`` in the environment overrides the choice (for A/B runs, and as a way out
+should a library misbehave); ``auto`` (the default) chooses as above. An override that cannot run here (MKL's check
+fails, the kernels are not built) falls back to the automatic choice.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from artifacts.common.host import cpuinfo_field
+from serving.engine import cpu_kernels
 
-__all__ = ["GEMM_ENV", "MKL_PACK_ROWS", "cpu_vendor", "mkl_packed_works", "use_mkl_packed"]
+__all__ = ["BACKENDS", "GEMM_ENV", "MKL_PACK_ROWS", "choose_backend", "cpu_vendor", "mkl_packed_works",
+           "tiled_kernels"]
 
 GEMM_ENV = "LLM_LIFECYCLE_CPU_GEMM"
+BACKENDS = ("mkl", "onednn", "tiled", "plain")
 
 MKL_PACK_ROWS = 64  # the row count weights are packed for (any row count is then served; see above)
 
@@ -60,12 +71,35 @@ def mkl_packed_works() -> bool:
     return True
 
 
-def use_mkl_packed(w: torch.Tensor) -> bool:
-    """MKL's packed sgemm for ``w``: an fp32 CPU weight, on an Intel CPU (or with the override), where the
-    check above holds."""
-    choice = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "mkl", "onednn"):
-        raise ValueError(f"{GEMM_ENV}: expected auto, mkl or onednn, got {choice!r}")
-    if choice == "onednn" or w.device.type != "cpu" or w.dtype != torch.float32:
+def tiled_kernels() -> ModuleType | None:
+    """The compiled ``cpu_kernels`` when they hold the tiled GEMM (built with AVX2 + FMA), else None."""
+    kernels = cpu_kernels.load()
+    return kernels if kernels is not None and kernels.tiled_gemm_available() else None
+
+
+def onednn_supports(w: torch.Tensor) -> bool:
+    """oneDNN can pack and run ``w``: a CPU weight, fp32, or bf16 where this CPU has oneDNN's bf16 path."""
+    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return (choice == "mkl" or cpu_vendor() == "GenuineIntel") and mkl_packed_works()
+    if w.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return w.dtype == torch.float32
+
+
+def choose_backend(w: torch.Tensor) -> str:
+    """One of ``BACKENDS`` for weight ``w``, as the module docstring says (the override first, where it can run)."""
+    choice = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "mkl", "onednn", "tiled"):
+        raise ValueError(f"{GEMM_ENV}: expected auto, mkl, onednn or tiled, got {choice!r}")
+    fp32_cpu = w.device.type == "cpu" and w.dtype == torch.float32
+    if fp32_cpu:
+        if choice == "mkl" and mkl_packed_works():
+            return "mkl"
+        if choice == "tiled" and tiled_kernels() is not None:
+            return "tiled"
+        if choice == "auto":
+            if cpu_vendor() == "GenuineIntel" and mkl_packed_works():
+                return "mkl"
+            if tiled_kernels() is not None:
+                return "tiled"
+    return "onednn" if onednn_supports(w) else "plain"

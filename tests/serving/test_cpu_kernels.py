@@ -204,7 +204,7 @@ def test_kernels_are_built_with_openmp_and_share_torchs_thread_pool():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows,inner", [(1, 1408), (5, 64), (3, 37)])  # 37: a tail past the 16-lane loop
+@pytest.mark.parametrize("rows,inner", [(1, 1408), (5, 64), (3, 37)])  # 37: a tail past the vector loop (16 or 8 lanes)
 def test_silu_mul_equals_torch(rows, inner):
     gu = torch.randn(rows, 2 * inner) * 6
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated both ways, and zero

@@ -10,6 +10,7 @@
 #include "elementwise.cpp"
 #include "paged_decode.cpp"
 #include "paged_prefill.cpp"
+#include "tiled_gemm.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
@@ -17,4 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", torch::wrap_pybind_function(add_rms_norm), "add_rms_norm");
   m.def("rope", torch::wrap_pybind_function(rope), "rope");
   m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
+  m.def("tiled_gemm_available", &tiled_gemm_available, "tiled_gemm_available");
+  m.def("tiled_pack", torch::wrap_pybind_function(tiled_pack), "tiled_pack");
+  m.def("tiled_linear", torch::wrap_pybind_function(tiled_linear), "tiled_linear");
 }

@@ -1,6 +1,6 @@
 // CPU kernels of the engine's fp32 path (built by serving/engine/cpu_kernels.py, whose docstring describes
 // them): paged_decode (paged_decode.cpp), paged_prefill (paged_prefill.cpp), and add_rms_norm, silu_mul and
-// rope (elementwise.cpp); cpu_kernels.cpp binds them to Python. Shapes are in the comments at each definition.
+// rope (elementwise.cpp), and tiled_pack / tiled_linear (tiled_gemm.cpp); cpu_kernels.cpp binds them to Python. Shapes are in the comments at each definition.
 #pragma once
 #include <torch/types.h>
 
@@ -13,3 +13,6 @@ void add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Te
 void silu_mul(torch::Tensor gu, torch::Tensor out);
 void rope(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t nq,
           int64_t nk, torch::Tensor q_out, torch::Tensor k_out);
+bool tiled_gemm_available();
+torch::Tensor tiled_pack(torch::Tensor w);
+void tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor out);

@@ -41,23 +41,45 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
-inline v16 exp16(v16 x) {  // exp_nonpos on 16 lanes; lanes below -87 (incl. -inf padding) give 0
-  const v16 lo = x < -87.0f ? (v16){} + 1.0f : (v16){};
-  x = x < -87.0f ? (v16){} - 87.0f : x;
-  v16 fx = x * 1.44269504088896341f + 0.5f;
-  v16i fi = __builtin_convertvector(fx, v16i);
-  v16 fl = __builtin_convertvector(fi, v16);
+// exp_nonpos on any GCC float vector V (VI: its int32 twin); lanes below -87 (incl. -inf padding) give 0.
+template <typename V, typename VI>
+inline V exp_lanes(V x) {
+  const V lo = x < -87.0f ? (V){} + 1.0f : (V){};
+  x = x < -87.0f ? (V){} - 87.0f : x;
+  V fx = x * 1.44269504088896341f + 0.5f;
+  VI fi = __builtin_convertvector(fx, VI);
+  V fl = __builtin_convertvector(fi, V);
   fl = fl > fx ? fl - 1.0f : fl;
-  v16 r = x - fl * 0.693359375f + fl * 2.12194440e-4f;
-  v16 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  V r = x - fl * 0.693359375f + fl * 2.12194440e-4f;
+  V y = r * 1.9875691500e-4f + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  v16i bits = (__builtin_convertvector(fl, v16i) + 127) << 23;
-  y = y * (v16)bits;
-  return lo > 0.5f ? (v16){} : y;
+  VI bits = (__builtin_convertvector(fl, VI) + 127) << 23;
+  y = y * (V)bits;
+  return lo > 0.5f ? (V){} : y;
+}
+
+// 8 floats: one AVX2 register. Without AVX-512, GCC lowers the 16-lane exp badly (silu_mul over 16 x 1408 took
+// 103 us where the same code on 8 lanes took 14, AMD EPYC with AVX2, 2026-11-29), so exp16 runs as two halves.
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v16 exp16(v16 x) {  // exp_nonpos on 16 lanes
+#if defined(__AVX512F__)
+  return exp_lanes<v16, v16i>(x);
+#else
+  v8 lo, hi;
+  std::memcpy(&lo, &x, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  lo = exp_lanes<v8, v8i>(lo);
+  hi = exp_lanes<v8, v8i>(hi);
+  std::memcpy(&x, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&x) + sizeof lo, &hi, sizeof hi);
+  return x;
+#endif
 }
 
 // [sum(a), sum(b), sum(c), sum(d)] in lanes 0, 4, 8, 12.
