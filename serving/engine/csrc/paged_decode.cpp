@@ -49,21 +49,32 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
 
 // Vectorized (GCC vector extensions, 16 floats) path for G % 4 == 0 and D % 16 == 0: the common shapes.
 
-// Softmax in place over each of `rows` rows of lp (a multiple of 16) scores, of which the first len count.
+// Softmax in place over each of `rows` rows of lp (a multiple of 16) scores, of which the first len count. On the
+// native vector width: 16 lanes on AVX-512, else 8 (GCC's 16-lane code on AVX2 was several times slower).
 inline void softmax_rows(float* s, int64_t rows, int64_t len, int64_t lp) {
+#if defined(__AVX512F__)
+  using V = v16;
+  using VI = v16i;
+#else
+  using V = v8;
+  using VI = v8i;
+#endif
+  constexpr int64_t L = sizeof(V) / sizeof(float);
+  auto load = [](const float* p) { V v; std::memcpy(&v, p, sizeof v); return v; };
+  auto store = [](float* p, V v) { std::memcpy(p, &v, sizeof v); };
   for (int64_t g = 0; g < rows; ++g) {
     float* sg = s + g * lp;
     for (int64_t t = len; t < lp; ++t) sg[t] = -INFINITY;
-    v16 mv = load16(sg);
-    for (int64_t t = 16; t < lp; t += 16) { v16 x = load16(sg + t); mv = x > mv ? x : mv; }
+    V mv = load(sg);
+    for (int64_t t = L; t < lp; t += L) { V x = load(sg + t); mv = x > mv ? x : mv; }
     float m = mv[0];
-    for (int i = 1; i < 16; ++i) m = std::max(m, mv[i]);
-    v16 sv = {};
-    for (int64_t t = 0; t < lp; t += 16) { v16 e = exp16(load16(sg + t) - m); store16(sg + t, e); sv += e; }
+    for (int i = 1; i < L; ++i) m = std::max(m, mv[i]);
+    V sv = {};
+    for (int64_t t = 0; t < lp; t += L) { V e = exp_lanes<V, VI>(load(sg + t) - m); store(sg + t, e); sv += e; }
     float sum = 0.f;
-    for (int i = 0; i < 16; ++i) sum += sv[i];
+    for (int i = 0; i < L; ++i) sum += sv[i];
     const float inv = 1.f / sum;
-    for (int64_t t = 0; t < lp; t += 16) store16(sg + t, load16(sg + t) * inv);
+    for (int64_t t = 0; t < lp; t += L) store(sg + t, load(sg + t) * inv);
   }
 }
 
@@ -147,7 +158,9 @@ void attend16(const float* q, const float* kc, const float* vc, const int64_t* t
 // v16 splits in two, and spills on every key row; this one keeps at most 11 registers live in the score
 // pass and 10 in the value pass, and reduces eight dot products with one transpose (hsum8x8) instead of a
 // shuffle tree per four.
-// Rows are found through the block table by shift and mask (block sizes are powers of two).
+// Rows are found through the block table by shift and mask (block sizes are powers of two). Each row used
+// prefetches the same row of the sequence's next block (blocks are scattered, so the hardware prefetcher cannot
+// follow): 64 sequences of 64-256 tokens, 2.1-2.6 ms a layer without it, 0.53-0.75 ms with it (AMD EPYC, AVX2).
 
 // [sum(a[0]), ..., sum(a[7])]
 inline __m256 hsum8x8(const __m256* a) {
@@ -178,6 +191,7 @@ void attend_avx2(const float* q, const float* kc, const float* vc, const int64_t
     float* sh = s + h * G * lp;
     if constexpr (G == 8) {
       for (int64_t t = 0; t < len; ++t) {
+        if (t + bs < len) prefetch(row(kc, t + bs, h), D);  // the same row of the next block: blocks are scattered
         const float* k = row(kc, t, h);
         __m256 a[8];
         for (int g = 0; g < 8; ++g) a[g] = _mm256_setzero_ps();
@@ -190,6 +204,8 @@ void attend_avx2(const float* q, const float* kc, const float* vc, const int64_t
       }
     } else {  // G == 4: two key rows at a time fill the eight accumulators
       for (int64_t t = 0; t < len; t += 2) {
+        if (t + bs < len) prefetch(row(kc, t + bs, h), D);
+        if (t + 1 + bs < len) prefetch(row(kc, t + 1 + bs, h), D);
         const float* k0 = row(kc, t, h);
         const float* k1 = t + 1 < len ? row(kc, t + 1, h) : k0;
         __m256 a[8];
@@ -219,6 +235,7 @@ void attend_avx2(const float* q, const float* kc, const float* vc, const int64_t
       for (int g = 0; g < G; ++g)
         for (int w = 0; w < CW; ++w) acc[g][w] = _mm256_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
+        if (c == 0 && t + bs < len) prefetch(row(vc, t + bs, h), D);  // the first pass brings whole rows in
         const float* v = row(vc, t, h) + c * 8;
         __m256 vv[CW];
         for (int w = 0; w < CW; ++w) vv[w] = _mm256_loadu_ps(v + w * 8);
