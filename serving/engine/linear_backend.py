@@ -97,7 +97,7 @@ def choose_backend(w: torch.Tensor) -> str:
             return "mkl"
         if choice == "tiled" and tiled_kernels() is not None:
             return "tiled"
-        if choice == "auto":
+        if choice != "onednn":  # auto, or an override that cannot run here: the automatic choice
             if cpu_vendor() == "GenuineIntel" and mkl_packed_works():
                 return "mkl"
             if tiled_kernels() is not None:

@@ -54,11 +54,14 @@ def test_the_gemm_library_follows_the_cpu_and_the_override(monkeypatch):
     monkeypatch.delenv(GEMM_ENV, raising=False)
     intel = cpu_vendor() == "GenuineIntel" and mkl_packed_works()
     onednn = "onednn" if torch.backends.mkldnn.is_available() else "plain"
-    assert DenseLinear(w).backend == ("mkl" if intel else "tiled" if tiled_kernels() is not None else onednn)
+    automatic = "mkl" if intel else "tiled" if tiled_kernels() is not None else onednn
+    assert DenseLinear(w).backend == automatic
     monkeypatch.setenv(GEMM_ENV, "onednn")
     assert DenseLinear(w).backend == onednn
-    monkeypatch.setenv(GEMM_ENV, "tiled")
-    assert DenseLinear(w).backend == ("tiled" if tiled_kernels() is not None else "mkl" if intel else onednn)
+    monkeypatch.setenv(GEMM_ENV, "tiled")  # an override that cannot run here falls back to the automatic choice
+    assert DenseLinear(w).backend == ("tiled" if tiled_kernels() is not None else automatic)
+    monkeypatch.setenv(GEMM_ENV, "mkl")
+    assert DenseLinear(w).backend == ("mkl" if mkl_packed_works() else automatic)
     assert DenseLinear(w.bfloat16()).backend != "tiled"  # the kernel is fp32: other dtypes keep oneDNN or F.linear
     monkeypatch.setenv(GEMM_ENV, "cublas")
     with pytest.raises(ValueError, match=GEMM_ENV):
