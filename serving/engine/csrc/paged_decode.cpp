@@ -52,29 +52,24 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
 // Softmax in place over each of `rows` rows of lp (a multiple of 16) scores, of which the first len count. On the
 // native vector width: 16 lanes on AVX-512, else 8 (GCC's 16-lane code on AVX2 was several times slower).
 inline void softmax_rows(float* s, int64_t rows, int64_t len, int64_t lp) {
-#if defined(__AVX512F__)
-  using V = v16;
-  using VI = v16i;
-#else
-  using V = v8;
-  using VI = v8i;
-#endif
-  constexpr int64_t L = sizeof(V) / sizeof(float);
-  auto load = [](const float* p) { V v; std::memcpy(&v, p, sizeof v); return v; };
-  auto store = [](float* p, V v) { std::memcpy(p, &v, sizeof v); };
+  constexpr int64_t L = NAT_LANES;
   for (int64_t g = 0; g < rows; ++g) {
     float* sg = s + g * lp;
     for (int64_t t = len; t < lp; ++t) sg[t] = -INFINITY;
-    V mv = load(sg);
-    for (int64_t t = L; t < lp; t += L) { V x = load(sg + t); mv = x > mv ? x : mv; }
+    vnat mv = load_nat(sg);
+    for (int64_t t = L; t < lp; t += L) { vnat x = load_nat(sg + t); mv = x > mv ? x : mv; }
     float m = mv[0];
     for (int i = 1; i < L; ++i) m = std::max(m, mv[i]);
-    V sv = {};
-    for (int64_t t = 0; t < lp; t += L) { V e = exp_lanes<V, VI>(load(sg + t) - m); store(sg + t, e); sv += e; }
+    vnat sv = {};
+    for (int64_t t = 0; t < lp; t += L) {
+      const vnat e = exp_lanes<vnat, vnati>(load_nat(sg + t) - m);
+      store_nat(sg + t, e);
+      sv += e;
+    }
     float sum = 0.f;
     for (int i = 0; i < L; ++i) sum += sv[i];
     const float inv = 1.f / sum;
-    for (int64_t t = 0; t < lp; t += L) store(sg + t, load(sg + t) * inv);
+    for (int64_t t = 0; t < lp; t += L) store_nat(sg + t, load_nat(sg + t) * inv);
   }
 }
 

@@ -67,6 +67,18 @@ inline V exp_lanes(V x) {
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
+// The native vector: one register, 16 lanes on AVX-512, else 8 (code that does not need 16 lanes uses it).
+#if defined(__AVX512F__)
+typedef v16 vnat;
+typedef v16i vnati;
+#else
+typedef v8 vnat;
+typedef v8i vnati;
+#endif
+constexpr int64_t NAT_LANES = sizeof(vnat) / sizeof(float);
+inline vnat load_nat(const float* p) { vnat v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store_nat(float* p, vnat v) { std::memcpy(p, &v, sizeof v); }
+
 inline v16 exp16(v16 x) {  // exp_nonpos on 16 lanes
 #if defined(__AVX512F__)
   return exp_lanes<v16, v16i>(x);
