@@ -145,10 +145,12 @@ void tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor out) {
   // From PANEL_ROWS rows on, x is first copied into panels of 6 rows ([M / 6][K][6]): each register block then
   // broadcasts from one sequential stream instead of six rows K apart.
   const bool panel = M >= PANEL_ROWS;
-  std::vector<float> panels;
+  // The panels' buffer lives across calls (one per calling thread, grown, never shrunk): a fresh vector per call
+  // cost an allocation, page faults and a zero fill of up to a few MB for every projection of a prefill step.
+  thread_local std::vector<float> panels;
   if (panel) {
     const int64_t np = (M + ROWS - 1) / ROWS;
-    panels.resize(np * ROWS * K);
+    if (static_cast<int64_t>(panels.size()) < np * ROWS * K) panels.resize(np * ROWS * K);
     float* pp = panels.data();
     at::parallel_for(0, np, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
