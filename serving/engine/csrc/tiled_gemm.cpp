@@ -51,8 +51,6 @@ inline void row_x4(const float* x, int64_t K, const float* w, float* y) {
   _mm256_storeu_ps(y, a0); _mm256_storeu_ps(y + 8, a1); _mm256_storeu_ps(y + 16, a2); _mm256_storeu_ps(y + 24, a3);
 }
 
-// R (<= 6) rows of x times kc columns of two tiles into y (stride ldy, 16 columns): y = (ACC ? y : 0) + x w. x is
-// row-major with stride ldx, or (PANEL) a packed panel: x[k * 6 + i], one stream however many rows.
 // What one register block fetches into L2 while it computes: its share of the next K block's weights, spread
 // evenly over its k loop. Without it, a step of 16 rows (three passes of up to 6 rows over each block) read memory
 // only during the first pass and waited for it in the others: memory time and compute time added up (16 rows,
@@ -64,6 +62,9 @@ struct Prefetch {
   int64_t every = 1;            // one line every this many k
 };
 
+// R (<= 6) rows of x times kc columns of two tiles into y (stride ldy, 16 columns): y = (ACC ? y : 0) + x w. x is
+// row-major with stride ldx, or (PANEL) a packed panel: x[k * 6 + i], one stream however many rows. Meanwhile it
+// prefetches pf's lines.
 template <int R, bool ACC, bool PANEL>
 inline void block_2x(const float* x, int64_t ldx, int64_t kc, const float* w0, const float* w1, float* y, int64_t ldy,
                      Prefetch pf = Prefetch()) {
