@@ -18,6 +18,11 @@ import time
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
+# before torch: the engine's OpenMP wait (GOMP_SPINCOUNT), which libgomp reads once, when torch loads it; the
+# server imports the engine first, so in-process timings must too (without it, workers sleep after each region)
+import serving.engine  # noqa: E402, F401
+
+# isort: split
 import torch  # noqa: E402
 
 from benchmarks.bench_model import BenchModelSpec  # noqa: E402

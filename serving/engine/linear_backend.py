@@ -8,9 +8,10 @@ Why three: each was the fastest somewhere, measured one projection at a time thr
 - **Other x86 CPUs (AMD) with AVX2 + FMA: the tiled kernel.** There MKL's sgemm was the slower library, and oneDNN's
   GEMV read the weights at 10-11 GB/s (AMD EPYC, AVX2 only, 2026-11-29): a batch-1 decode step spent ~10 ms in the
   projections. Our kernel holds each weight in 8-column tiles, one contiguous stream per tile, and reads it at
-  19-21 GB/s: 0.50-0.56x oneDNN's time at one row, 0.65-0.73x at 16 rows, 0.76-0.86x at 64. At 512 rows (prefill
-  chunks) it is the slower, 1.13-1.22x, a cost paid once per prompt against a gain on every token
-  (``benchmarks/cpu_gemm.py``; RESULTS.md, "On AMD").
+  18-21 GB/s. With several rows, each register block prefetches the next block's weights while it computes. Against
+  oneDNN's time: 0.57-0.61x at one row, 0.46-0.51x at 16 rows, 0.81-0.86x at 64; at 512 rows (prefill chunks)
+  0.99-1.24x, a cost paid once per prompt against a gain on every token (``benchmarks/cpu_gemm.py``; RESULTS.md,
+  "Batch-1 decode", AMD).
 - **oneDNN** elsewhere: bf16 where it supports it, fp32 when the kernels cannot be built (no compiler, no AVX2,
   ``LLM_LIFECYCLE_CPU_KERNELS=0``).
 

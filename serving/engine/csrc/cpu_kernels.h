@@ -1,6 +1,7 @@
 // CPU kernels of the engine's fp32 path (built by serving/engine/cpu_kernels.py, whose docstring describes
 // them): paged_decode (paged_decode.cpp), paged_prefill (paged_prefill.cpp), and add_rms_norm, silu_mul and
-// rope (elementwise.cpp), and tiled_pack / tiled_linear (tiled_gemm.cpp); cpu_kernels.cpp binds them to Python. Shapes are in the comments at each definition.
+// rope (elementwise.cpp), and tiled_pack / tiled_linear (tiled_gemm.cpp); cpu_kernels.cpp binds them to Python.
+// Shapes are in the comments at each definition.
 #pragma once
 #include <torch/types.h>
 

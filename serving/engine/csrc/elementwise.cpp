@@ -44,9 +44,6 @@ void add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Te
   });
 }
 
-// The SiLU-gated MLP's middle: out [T, I] = silu(gu[:, :I]) * gu[:, I:] for a fused gate/up projection gu [T, 2I]
-// (one pass instead of chunk, silu and mul as three ops with two temporaries). silu(x) = x * sigmoid(x), the
-// sigmoid from e = exp(-|x|) so the exponential never overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below.
 // silu(x) * u on the lanes of one GCC float vector V (VI: its int32 twin).
 template <typename V, typename VI>
 inline V silu_times(V x, V u) {
@@ -54,6 +51,9 @@ inline V silu_times(V x, V u) {
   return x * ((x >= 0.f ? (V){} + 1.f : e) / (1.f + e)) * u;
 }
 
+// The SiLU-gated MLP's middle: out [T, I] = silu(gu[:, :I]) * gu[:, I:] for a fused gate/up projection gu [T, 2I]
+// (one pass instead of chunk, silu and mul as three ops with two temporaries). silu(x) = x * sigmoid(x), the
+// sigmoid from e = exp(-|x|) so the exponential never overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below.
 void silu_mul(torch::Tensor gu, torch::Tensor out) {
   TORCH_CHECK(gu.dtype() == torch::kFloat && out.dtype() == torch::kFloat && gu.is_contiguous()
               && out.is_contiguous() && gu.dim() == 2 && out.dim() == 2 && gu.size(0) == out.size(0)
