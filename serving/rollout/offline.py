@@ -15,9 +15,12 @@ Two comparisons the averages alone would miss:
   draws varies no more than one draw at the same mean.
 - **Slices.** A regression confined to one task type or one harm category moves the average little. Each
   metric's slices (those with ``OFFLINE_MIN_SAMPLES`` on both sides) are tested at ``alpha`` divided by their
-  number (Bonferroni within the metric), and reported as one verdict per metric, ``<gate>_slices``: pass when
-  every slice is within the tolerance, fail naming the slices proven worse, inconclusive naming the slices
-  worse than the tolerance but not significantly so.
+  number (Bonferroni within the metric), and reported as one verdict per metric, ``<gate>_slices``: fail naming
+  the slices proven worse, else pass, naming any slice worse than the tolerance but not significantly so. Why
+  such a slice does not hold the rollout: the record is fixed, so no window can settle it, and a slice of 20-40
+  prompts can prove only +0.3-0.4 at its share of alpha, so "beyond the tolerance, not proven" is the ordinary
+  state of a small slice of a candidate that differs in a few answers (the pipeline's 4-bit candidate read +0.087
+  on 23 prompts and paused its first rollout); the metric's own verdict over every prompt keeps the tolerance.
 """
 
 from __future__ import annotations
@@ -98,11 +101,14 @@ def _slices_verdict(metric: OfflineMetric, candidate: Measured, champion: Measur
     failed = [v for v in each if v.outcome == FAIL]
     doubtful = [v for v in each if v.outcome == INCONCLUSIVE]
     worst = max(each, key=lambda v: v.candidate - v.baseline)
-    outcome = FAIL if failed else INCONCLUSIVE if doubtful else PASS
-    named = failed or doubtful
-    reason = f"{len(common)} slices, each at α/{len(common)}: " + (
-        "; ".join(v.reason for v in named) if named else
-        f"all within {getattr(gates, metric.tolerance):g} (worst: {worst.reason})")
+    outcome = FAIL if failed else PASS
+    head = f"{len(common)} slices, each at α/{len(common)}: "
+    if failed:
+        reason = head + "; ".join(v.reason for v in failed)
+    elif doubtful:
+        reason = head + "none proven worse; " + "; ".join(v.reason for v in doubtful)
+    else:
+        reason = head + f"all within {getattr(gates, metric.tolerance):g} (worst: {worst.reason})"
     return Verdict(metric.gate + SLICES_SUFFIX, outcome, worst.candidate, worst.baseline, worst.threshold,
                    min((v.p_value for v in each if v.p_value is not None), default=None), min(v.samples for v in each),
                    OFFLINE_MIN_SAMPLES, reason)
