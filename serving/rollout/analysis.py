@@ -136,10 +136,11 @@ def systems_verdicts(window: dict, candidate: tuple[str, str], champion: tuple[s
     verdicts = [
         judge.rate_gate("error_rate", rc["status_5xx"], rc["requests"], rb["status_5xx"], rb["requests"],
                         margin=gates.max_error_rate_increase, alpha=alpha, min_samples=min_requests,
-                        label="5xx rate"),
+                        label="5xx rate", effect=gates.detect_error_rate_increase, power=gates.detect_power),
         judge.rate_gate("rate_limited", rc["status_429"], rc["requests"], rb["status_429"],
                         rb["requests"], margin=gates.max_rate_limited_increase, alpha=alpha,
-                        min_samples=min_requests, label="429 rate"),
+                        min_samples=min_requests, label="429 rate", effect=gates.detect_rate_limited_increase,
+                        power=gates.detect_power),
     ]
     if streamed:
         verdicts.append(judge.shift_gate("ttft_ratio", cand["ttft_ms"], champ["ttft_ms"],
@@ -228,10 +229,28 @@ def agreement_verdict(window: dict, champion_version: str, candidate_version: st
                            label="disagreement")
 
 
+TRAFFIC_RATE_GATES = {"error_rate": "max_error_rate_increase", "rate_limited": "max_rate_limited_increase"}
+
+
+def collecting_rate_evidence(verdict: Verdict) -> bool:
+    """An inconclusive 5xx or 429 verdict that more requests would settle: short of its design power, or above
+    its tolerance but not significantly (what a rate extension is for)."""
+    return verdict.gate in TRAFFIC_RATE_GATES and verdict.outcome == INCONCLUSIVE and bool(verdict.more_samples)
+
+
+def rate_within_tolerance(verdict: Verdict, gates: Gates) -> bool:
+    """Whether a rate verdict's estimate is within its tolerance (short of power only, not of good news)."""
+    if verdict.candidate is None or verdict.baseline is None:
+        return False
+    margin = getattr(gates, TRAFFIC_RATE_GATES[verdict.gate])
+    return verdict.candidate - verdict.baseline <= margin + judge.RATE_EPSILON
+
+
 def more_time_helps(verdict: Verdict) -> bool:
     """Whether a longer window could settle an inconclusive verdict: not for a fact such as a missing eval
-    record, or an agreement gate without a noise floor to compare with."""
-    return verdict.threshold != "passed"
+    record, an agreement gate without a noise floor to compare with, or the offline records' comparison (both
+    records are fixed: the same numbers at every look)."""
+    return verdict.threshold != "passed" and not verdict.gate.startswith("offline_")
 
 
 def known_gates(plan: RolloutPlan) -> set[str]:
@@ -360,5 +379,5 @@ def metrics_of(analysis_verdicts: list[Verdict], window: dict, candidate: tuple[
 
 
 def planned_alpha(plan: RolloutPlan) -> float:
-    return judge.per_look_alpha(plan.gates.alpha, plan.planned_looks + plan.max_extensions)
+    return judge.per_look_alpha(plan.gates.alpha, plan.most_looks)
 

@@ -27,6 +27,7 @@ from serving.rollout.analysis import Analysis
 from serving.rollout.crash import crash_point
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS
 from serving.rollout.phase_judge import PhaseJudge
+from serving.rollout.rate_evidence import next_for_rate_evidence
 from serving.rollout.registry_console import ACTIONS, RegistryConsole
 from serving.rollout.resumable import write_plan
 from serving.rollout.state import (
@@ -133,10 +134,8 @@ class Controller:
             self._analyse()
 
     def _deadline(self) -> float:
-        seconds = {BASELINE: self.plan.baseline_seconds, SHADOW: self.plan.shadow_seconds}.get(self.state.phase)
-        if seconds is None:
-            seconds = self.plan.steps[self.state.step_index].seconds
-        return self.state.phase_started_at + seconds * (1 + self.state.extensions)
+        seconds = self._phase_seconds()
+        return self.state.phase_started_at + seconds * (1 + self.state.extensions) + self.state.rate_extra_seconds
 
     # ----------------------------------------------------------------- a person's hand
     def _manual_actions(self) -> bool:
@@ -245,6 +244,8 @@ class Controller:
             self._pause(f"advisory gate failed, a person should read the disagreements: {result.reasons}"
                         f"{waive_hint(result.failed())}", CONTROLLER)
             return
+        if outcome == INCONCLUSIVE and self._collect_rate_evidence(result):
+            return
         if outcome == INCONCLUSIVE:
             # a fact no window can settle (no eval record) waits for a person anyway: pause now, not after extending
             facts = ", ".join(v.gate for v in result.inconclusive() if not A.more_time_helps(v))
@@ -260,6 +261,26 @@ class Controller:
             self._pause(f"{why}: {result.reasons}{waive_hint(result.inconclusive())}", CONTROLLER)
             return
         self._advance(f"analysis {result.look} passed ({result.summary})")
+
+    def _collect_rate_evidence(self, result: Analysis) -> bool:
+        """Go on collecting when all that holds ``result`` back is a 5xx or 429 rate short of requests
+        (rate_evidence.py decides how); True when it did."""
+        state = self.state
+        decision = next_for_rate_evidence(state, self.plan, result, self._phase_seconds())
+        if decision is None:
+            return False
+        if decision.extend_seconds is None:
+            self._advance(decision.cause)
+            return True
+        state.rate_extensions += 1
+        state.rate_extra_seconds += decision.extend_seconds
+        self._record("extend", state.phase, state.phase, decision.cause, CONTROLLER)
+        self._save()
+        return True
+
+    def _phase_seconds(self) -> float:
+        seconds = {BASELINE: self.plan.baseline_seconds, SHADOW: self.plan.shadow_seconds}.get(self.state.phase)
+        return self.plan.steps[self.state.step_index].seconds if seconds is None else seconds
 
     def _advance(self, cause: str, actor: str = CONTROLLER, from_phase: str | None = None) -> None:
         """The next phase after a passed analysis of ``from_phase`` (default: the current phase)."""
@@ -360,6 +381,7 @@ class Controller:
             state.phase, state.step_index, state.phase_started_at = t.to_phase, t.step_index, t.at
             if t.to_phase not in (PAUSED, AWAITING_APPROVAL):
                 state.extensions = 0
+                state.rate_extensions, state.rate_extra_seconds = 0, 0.0
             state.reason = t.cause if t.to_phase in (PAUSED, ROLLED_BACK, AWAITING_APPROVAL) else ""
             if t.to_phase in (PROMOTED, ROLLED_BACK):
                 state.finished_at = t.at

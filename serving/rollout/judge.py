@@ -27,10 +27,15 @@ Tests, chosen for small counts and for what each gate measures:
   on both; against the champion pool's requests instead (the old gate), the A/A ratio wandered ×1.0-1.5 with
   whatever else the host ran.
 
+The 5xx and 429 gates also carry the increase they exist to catch (``effect``): a look passes them only when it
+could have failed that increase with the design power, else it is inconclusive and says how many more requests
+would do (rate_evidence.py decides whether the rollout moves on or waits for them).
+
 Looking at the data after every step would inflate false alarms, so the controller divides ``alpha``
-over the planned analyses (Bonferroni): each gate fails a good candidate with probability at most ``alpha``
-over the whole rollout, however many steps it has. (Not the rollout as a whole: a dozen gates each get that
-budget; the tolerance bands keep the real rate far below it, which benchmarks/rollout_calibration.py measures.)
+over the most analyses a rollout makes on its own, planned ones and extensions (Bonferroni): each gate fails a
+good candidate with probability at most ``alpha`` over the whole rollout, however many steps it has. (Not the
+rollout as a whole: a dozen gates each get that budget; the tolerance bands keep the real rate far below it,
+which benchmarks/rollout_calibration.py measures.)
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ class Verdict:
     critical: bool = True
     # rate gates: the smallest true increase over the baseline this look would have failed, with DETECT_POWER
     detectable: float | None = None
+    # traffic rate gates with a design effect: how many more candidate requests (both sides growing as they do)
+    # would let a look fail that effect with the design power; 0 when this look already could
+    more_samples: int | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -68,10 +76,22 @@ class Verdict:
         return f"{self.gate} {value} ({self.outcome})"
 
 
+DETECT_POWER = 0.8
+# two rates exactly at the tolerance apart (8/40 vs 6/40: +0.05) must read as within it, not 0.05000000000000002
+RATE_EPSILON = 1e-9
+
+
 def rate_gate(gate: str, bad_candidate: int, n_candidate: int, bad_baseline: int, n_baseline: int, *,
               margin: float, alpha: float, min_samples: int, critical: bool = True,
-              label: str = "rate") -> Verdict:
-    """Fail when the candidate's rate of bad outcomes exceeds the baseline's by more than ``margin``."""
+              label: str = "rate", effect: float | None = None, power: float | None = None) -> Verdict:
+    """Fail when the candidate's rate of bad outcomes exceeds the baseline's by more than ``margin``.
+
+    ``effect``: the increase this gate exists to catch (5xx +0.03 against a tolerance of 0.01). With it, a look
+    passes only when it could have failed that effect with probability ``power``: an estimate within the
+    tolerance on too few requests is inconclusive, saying how many more requests would settle it
+    (``Verdict.more_samples``), never a pass that no regression of that size could have turned into a fail.
+    """
+    power = DETECT_POWER if power is None else power
     rule = f"≤ baseline + {margin:g}"
     n = min(n_candidate, n_baseline)
     p_c = bad_candidate / n_candidate if n_candidate else None
@@ -86,21 +106,28 @@ def rate_gate(gate: str, bad_candidate: int, n_candidate: int, bad_baseline: int
     z = (pc - pb - margin) / se
     p_value = float(norm.sf(z))
     diff = p_c - p_b
-    detectable = detectable_increase(pb, n_candidate, n_baseline, margin=margin, alpha=alpha)
-    could = f"this look would fail +{detectable:.3f} with {DETECT_POWER:.0%} power"
+    detectable = detectable_increase(pb, n_candidate, n_baseline, margin=margin, alpha=alpha, power=power)
+    could = f"this look would fail +{detectable:.3f} with {power:.0%} power"
     if p_value < alpha:
         return Verdict(gate, FAIL, p_c, p_b, rule, p_value, n, min_samples,
                        f"{label} {p_c:.3f} vs {p_b:.3f}: worse by {diff:+.3f}, beyond {margin:g} (p={p_value:.2g})",
                        critical, detectable)
-    if diff > margin:
+    more = None
+    if effect is not None:
+        more = samples_for_power(pb, n_candidate, n_baseline, margin=margin, alpha=alpha, effect=effect, power=power)
+    if diff > margin + RATE_EPSILON:
+        settle = f"; ~{more} more candidate requests would settle +{effect:g}" if more else ""
         return Verdict(gate, INCONCLUSIVE, p_c, p_b, rule, p_value, n, min_samples,
                        f"{label} {p_c:.3f} vs {p_b:.3f}: worse by {diff:+.3f} but not significantly "
-                       f"(p={p_value:.2g}; {could})", critical, detectable)
+                       f"(p={p_value:.2g}; {could}{settle})", critical, detectable, more)
+    if more:
+        return Verdict(gate, INCONCLUSIVE, p_c, p_b, rule, p_value, n, min_samples,
+                       f"{label} {p_c:.3f} vs {p_b:.3f}, within {margin:g}, but {could}, not the +{effect:g} "
+                       f"this gate must catch: ~{more} more candidate requests", critical, detectable, more)
     return Verdict(gate, PASS, p_c, p_b, rule, p_value, n, min_samples,
-                   f"{label} {p_c:.3f} vs {p_b:.3f} (within {margin:g}; {could})", critical, detectable)
+                   f"{label} {p_c:.3f} vs {p_b:.3f} (within {margin:g}; {could})", critical, detectable, more)
 
 
-DETECT_POWER = 0.8
 
 
 def detectable_increase(p_baseline: float, n_candidate: int, n_baseline: int, *, margin: float, alpha: float,
@@ -116,6 +143,28 @@ def detectable_increase(p_baseline: float, n_candidate: int, n_baseline: int, *,
         se = math.sqrt(p_c * (1 - p_c) / (n_candidate + 2) + p_baseline * (1 - p_baseline) / (n_baseline + 2))
         delta = margin + k * se
     return min(delta, 1.0 - p_baseline)
+
+
+def samples_for_power(p_baseline: float, n_candidate: int, n_baseline: int, *, margin: float, alpha: float,
+                      effect: float, power: float = DETECT_POWER) -> int:
+    """How many more candidate requests a look needs before it fails a true increase of ``effect`` with
+    probability ``power``: both sides grown in their present proportion (a sticky split keeps it), the smallest
+    such growth found by bisection on ``detectable_increase``. 0 when this look already could."""
+    def enough(scale: float) -> bool:
+        return detectable_increase(p_baseline, round(n_candidate * scale), round(n_baseline * scale), margin=margin,
+                                   alpha=alpha, power=power) <= effect
+
+    if enough(1.0):
+        return 0
+    low, high = 1.0, 2.0
+    while not enough(high):
+        low, high = high, high * 2
+        if high > 1e6:
+            break
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (low, middle) if enough(middle) else (middle, high)
+    return max(1, math.ceil(n_candidate * high) - n_candidate)
 
 
 PAIRED_BOOTSTRAP_ROUNDS = 2000

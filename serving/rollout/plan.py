@@ -39,6 +39,13 @@ class Gates:
     alpha: float = 0.05  # false-alarm budget of the whole rollout, spread over its analyses
     max_error_rate_increase: float = 0.01  # 5xx rate
     max_rate_limited_increase: float = 0.02  # 429 rate
+    # the increases the two rate gates exist to catch, and the power to catch them with: a canary passes a rate
+    # gate only on enough requests to have failed that increase (pooled over the canary's steps), and collects
+    # more (rate extensions) while it has not. What 5xx +3 points against a 1-point tolerance needs: 500-900
+    # requests a side at a rollout's per-look alpha
+    detect_error_rate_increase: float = 0.03
+    detect_rate_limited_increase: float = 0.06
+    detect_power: float = 0.8
     # canary steps, candidate against the baseline replica: the Hodges-Lehmann ratio of time to first token and
     # of inter-token latency (a typical request's, not a tail's; see judge.shift_gate)
     max_ttft_ratio: float = 1.25
@@ -59,6 +66,13 @@ class Gates:
         for name in ("max_ttft_ratio", "max_itl_ratio", "max_ms_per_token_p95_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for tolerance, effect in (("max_error_rate_increase", "detect_error_rate_increase"),
+                                  ("max_rate_limited_increase", "detect_rate_limited_increase")):
+            if not getattr(self, tolerance) < getattr(self, effect) <= 1:
+                raise ValueError(f"{effect}: must be above {tolerance} ({getattr(self, tolerance):g}) and at most 1, "
+                                 f"got {getattr(self, effect)}")
+        if not 0.5 <= self.detect_power < 1:
+            raise ValueError(f"detect_power: must be in [0.5, 1), got {self.detect_power}")
         for name in ("max_error_rate_increase", "max_rate_limited_increase", "max_agreement_drop",
                      "max_accuracy_drop", "max_refusal_drop", "max_over_refusal_increase", "max_format_drop"):
             if not 0 <= getattr(self, name) <= 1:
@@ -100,6 +114,10 @@ class RolloutPlan:
     steps: list[CanaryStep] = field(default_factory=lambda: [CanaryStep(5), CanaryStep(25), CanaryStep(50)])
     promotion_approval: str = "none"  # "required": after the last step, wait for a person to promote
     max_extensions: int = 1  # an inconclusive analysis extends its phase this many times, then pauses
+    # more windows for the rate gates alone: while a 5xx or 429 rate has too few requests to have failed its
+    # design increase (Gates.detect_*), the phase extends by the time the traffic needs to bring them, this many
+    # times at most; within its tolerance before the last step, the rollout goes on collecting at the next weight
+    max_rate_extensions: int = 2
     bake_seconds: float = 0.0  # after promotion, keep the previous champion warm; moving `champion` back rolls back
     tick_seconds: float = 1.0
     gates: Gates = field(default_factory=Gates)
@@ -117,13 +135,19 @@ class RolloutPlan:
             raise ValueError(f"steps: weights must not decrease, got {weights}")
         if self.promotion_approval not in APPROVALS:
             raise ValueError(f"promotion_approval: must be one of {APPROVALS}")
-        if self.max_extensions < 0 or self.tick_seconds <= 0:
-            raise ValueError("max_extensions must be >= 0 and tick_seconds > 0")
+        if self.max_extensions < 0 or self.max_rate_extensions < 0 or self.tick_seconds <= 0:
+            raise ValueError("max_extensions and max_rate_extensions must be >= 0, tick_seconds > 0")
 
     @property
     def planned_looks(self) -> int:
         """Analyses a rollout makes when nothing is inconclusive: shadow, then each step."""
         return int(self.shadow_seconds > 0) + len(self.steps)
+
+    @property
+    def most_looks(self) -> int:
+        """The most analyses a rollout makes on its own (a person's resume aside): the planned ones, each
+        extension, and each rate extension. The alpha budget is divided over these."""
+        return self.planned_looks + self.max_extensions + self.max_rate_extensions
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -93,6 +93,9 @@ class RolloutState:
     step_index: int = -1  # index into plan.steps while in canary (and after it)
     phase_started_at: float = 0.0
     extensions: int = 0
+    # windows added for the rate gates alone (plan.max_rate_extensions), and the seconds they added to the phase
+    rate_extensions: int = 0
+    rate_extra_seconds: float = 0.0
     resume_to: str | None = None  # the phase a pause or approval returns to
     reason: str = ""
     started_at: float = field(default_factory=time.time)

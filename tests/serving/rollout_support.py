@@ -54,6 +54,15 @@ def register_versions(tmp: Path, models: dict[str, Path], champion: bool = True,
     return Registry(tracking_uri, versions, bundles)
 
 
+def gates_at_test_speed(**overrides) -> Gates:
+    """The plan's real tolerances, with the rate gates' design increases sized to a seconds-long step.
+
+    A 4-second step sees tens of requests a side, enough to fail +50 points of 5xx or 429, not the +3 and +6 the
+    defaults require (those need 500-900 requests a side: the rate extensions would run out, and the step pause).
+    The defaults' power is the subject of test_rollout_rate_power.py, on traffic sized for it."""
+    return Gates(**{"detect_error_rate_increase": 0.6, "detect_rate_limited_increase": 0.6, **overrides})
+
+
 def latency_not_the_subject() -> Gates:
     """Wide latency tolerances for tests about the rollout's mechanics (approval, waivers), not its latency
     judge. Replicas here are threads beside the suite's other worker: on a loaded 2-core runner an A/A canary's
@@ -61,16 +70,17 @@ def latency_not_the_subject() -> Gates:
     (make test, session 46), above the default ×1.25 / ×1.5 but not significantly, so the step paused after
     its extensions, as it should on that evidence. The judge's own A/A and planted-fault tests keep the
     defaults."""
-    return Gates(max_ttft_ratio=3.0, max_itl_ratio=3.0, max_ms_per_token_p95_ratio=4.0)
+    return gates_at_test_speed(max_ttft_ratio=3.0, max_itl_ratio=3.0, max_ms_per_token_p95_ratio=4.0)
 
 
 def fast_plan(**overrides) -> RolloutPlan:
     """Seconds-long phases and small minimums: the logic of a real rollout, at test speed, judged with the
-    plan's real tolerances (the canary against a baseline replica of equal standing, not the champion pool)."""
+    plan's real tolerances (the canary against a baseline replica of equal standing, not the champion pool),
+    the rate gates' design increases sized to the step (gates_at_test_speed)."""
     plan = RolloutPlan(baseline_seconds=3, baseline_min_pairs=5, shadow_seconds=4, shadow_min_pairs=5,
                        steps=[CanaryStep(50, seconds=4, min_requests=8, min_keys=5)], max_extensions=2,
                        tick_seconds=0.25,
-                       gates=Gates(), probes=Probes(tasks=0, safety=0))
+                       gates=gates_at_test_speed(), probes=Probes(tasks=0, safety=0))
     for key, value in overrides.items():
         setattr(plan, key, value)
     return plan

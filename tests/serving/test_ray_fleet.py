@@ -23,10 +23,9 @@ from mlflow import MlflowClient
 
 from serving.fleet.ray_backend import DEFAULT_NAMESPACE
 from serving.gateway.routing import RoutingState, choose_variant
-from serving.rollout.plan import Gates
 from tests.serving.fleet_support import bearer, deploy, free_port, gateway_process, wait_ready
 from tests.serving.ray_support import ray_cluster
-from tests.serving.rollout_support import MODEL, fast_plan, register_versions
+from tests.serving.rollout_support import MODEL, fast_plan, gates_at_test_speed, register_versions
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_prefect_server")]
 
@@ -199,7 +198,7 @@ def _plan():
     the 1-ms inter-token gaps of two replicas of one tiny model differ by up to ~40% from one window to the next
     (seen here: a paused A/A rollout, ITL ×1.31), and this test is about the rollout's machinery on Ray, not the
     judge's sensitivity (test_rollout_judge.py and benchmarks/rollout_calibration.py measure that)."""
-    return fast_plan(gates=Gates(max_ttft_ratio=3.0, max_itl_ratio=3.0, max_ms_per_token_p95_ratio=3.0))
+    return fast_plan(gates=gates_at_test_speed(max_ttft_ratio=3.0, max_itl_ratio=3.0, max_ms_per_token_p95_ratio=3.0))
 
 
 def _second_gateway(fleet_dir: Path, primary: str, tmp: Path):

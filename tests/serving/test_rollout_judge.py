@@ -253,6 +253,30 @@ def test_a_regression_in_one_slice_fails_that_slice_though_the_average_passes():
     assert "offline_accuracy_slices" in analysis.known_gates(RolloutPlan())
 
 
+def test_a_small_slice_beyond_its_tolerance_but_not_proven_worse_does_not_hold_the_rollout():
+    """What the pipeline's 4-bit candidate showed (session 51): one slice of 23 prompts at 0.217 wrong vs 0.130.
+    Not significant, and no window can settle a fixed record: the slices verdict passes, naming the slice."""
+    from serving.rollout.offline import offline_verdicts
+
+    slices = {"carries-0": (0.870, 23), "carries-1": (0.9, 80), "carries-2": (0.85, 97)}
+    champion = _record_with(task_accuracy=_sliced(0.88, 200, **slices))
+    candidate = _record_with(task_accuracy=_sliced(0.865, 200, **{**slices, "carries-0": (0.783, 23)}))
+    sliced = {v.gate: v for v in offline_verdicts(candidate, champion, Gates(), alpha=0.05 / 6)}
+    verdict = sliced["offline_accuracy_slices"]
+    assert verdict.outcome == "pass" and "none proven worse; wrong answers in carries-0" in verdict.reason
+    assert "not significantly" in verdict.reason
+    # an offline gate left inconclusive waits for a person at once: the records are the same at every look
+    doubtful = judge.rate_gate("offline_accuracy", 34, 200, 20, 200, margin=0.05, alpha=0.05 / 6, min_samples=20)
+    assert doubtful.outcome == "inconclusive" and not analysis.more_time_helps(doubtful)
+
+
+def test_rates_exactly_at_the_tolerance_apart_are_within_it():
+    """8/40 vs 6/40 wrong is +0.05 exactly: within a 0.05 tolerance (floating point read it as 0.05000000000000002,
+    inconclusive, and paused the first `make run` rollout on this host)."""
+    verdict = judge.rate_gate("probe_accuracy", 8, 40, 6, 40, margin=0.05, alpha=0.01, min_samples=5)
+    assert verdict.outcome == "pass" and "within 0.05" in verdict.reason
+
+
 def test_slice_verdicts_keep_their_false_alarm_rate_under_alpha_over_many_slices():
     """Ten slices of 40 prompts, candidate and champion equally good (90%): the slices verdict fails a good
     candidate no more often than alpha (Bonferroni over the slices), however many slices there are."""
