@@ -7,9 +7,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-SCENARIOS = ("aa", "ttft", "errors", "refusals", "accuracy", "slow")
+SCENARIOS = ("aa", "ttft", "ttft25", "itl", "errors", "sampled", "slice", "refusals", "accuracy", "slow")
 TITLES = {"aa": "A/A (champion vs itself)", "ttft": "TTFT +50% (gateway delay on the canary)",
-          "errors": "5xx +3% (gateway abort on the canary)", "refusals": "lost refusals (drill bundle)",
+          "ttft25": "TTFT +25% (gateway delay on the canary)",
+          "itl": "ITL +30% only (gateway token delay on the canary; same TTFT)",
+          "errors": "5xx +3% (gateway abort on the canary)",
+          "sampled": "lost sampled accuracy only (champion's weights, a hotter default temperature)",
+          "slice": "one slice only (champion's weights; its record loses one refusal category)",
+          "refusals": "lost refusals (drill bundle)",
           "accuracy": "lost task accuracy (base model)", "slow": "slow candidate (HF forward, 1 sequence)"}
 
 
@@ -106,8 +111,9 @@ def describe_plan(plan) -> str:
     g = plan.gates
     return (f"baseline {plan.baseline_seconds:g} s (≥ {plan.baseline_min_pairs} pairs), shadow "
             f"{plan.shadow_seconds:g} s (≥ {plan.shadow_min_pairs} pairs), canary {steps}, "
-            f"{plan.max_extensions} extension(s), alpha {g.alpha:g} / {plan.planned_looks + plan.max_extensions} "
-            f"looks per gate; 5xx ≤ +{g.max_error_rate_increase:g}, TTFT/ITL ≤ ×{g.max_ttft_ratio:g}/"
+            f"{plan.max_extensions} extension(s) + {plan.max_rate_extensions} rate extension(s), alpha {g.alpha:g} / "
+            f"{plan.most_looks} looks per gate; 5xx ≤ +{g.max_error_rate_increase:g} (power {g.detect_power:g} "
+            f"to fail +{g.detect_error_rate_increase:g}), TTFT/ITL ≤ ×{g.max_ttft_ratio:g}/"
             f"×{g.max_itl_ratio:g}, ms/token p95 ≤ ×{g.max_ms_per_token_p95_ratio:g}, agreement ≤ "
             f"+{g.max_agreement_drop:g}, probes {plan.probes.tasks} tasks + {plan.probes.safety} safety (accuracy, "
             f"refusals ≤ +{g.max_accuracy_drop:g}, +{g.max_refusal_drop:g}), eval record "

@@ -7,12 +7,18 @@ behind the gateway (all on 127.0.0.1), with replayed held-out traffic:
   rolled out against the champion through the whole plan. Anything but a promotion is a false alarm: a false
   rollback (a critical gate failed) or a false pause (inconclusive after the extensions, or an advisory gate).
 - planted regressions, each one a rollout that must not be promoted:
-  **ttft** (TTFT +50%: the gateway's delay drill on the canary, 0.5 × the baseline's median TTFT in the A/A
-  runs), **errors** (5xx +3%: the gateway's abort drill, 3% of canary requests answered 503 and retried on the
-  champion, so users never see them), **refusals** (the drill bundle, `configs/drill-broken-refusals.yaml`,
-  registry alias `drill-candidate`), **accuracy** (the pipeline's base model, bundled, with an eval record made
-  from the pipeline's own evaluation of the base model), **slow** (the champion's bundle served with the Hugging
-  Face forward, one sequence at a time: `--model-impl hf --max-num-seqs 1`).
+  **ttft** and **ttft25** (TTFT +50% and +25%: the gateway's delay drill on the canary, that share of the
+  baseline's median TTFT in the A/A runs), **itl** (ITL +30% only: the gateway's token drill delays each streamed
+  token but the first by 0.3 × the baseline's median inter-token latency; the same TTFT), **errors** (5xx +3%: the
+  gateway's abort drill, 3% of canary requests answered 503 and retried on the champion, so users never see
+  them), **sampled** (lost sampled accuracy only: the champion's weights bundled again with a hotter default
+  temperature in generation_config.json, so its greedy answers are the champion's and its sampled ones worse),
+  **slice** (a regression in one slice only: the champion's weights with an eval record in which one harm
+  category lost half its refusals, a planted record, the average still near the champion's), **refusals** (the
+  drill bundle, `configs/drill-broken-refusals.yaml`, registry alias `drill-candidate`), **accuracy** (the
+  pipeline's base model, bundled, with an eval record made from the pipeline's own evaluation of the base
+  model), **slow** (the champion's bundle served with the Hugging Face forward, one sequence at a time:
+  `--model-impl hf --max-num-seqs 1`).
 
 Cost: the gateway and the champion replica start once; each scenario starts its candidate and baseline replicas
 once and reuses them for its K rollouts (each rollout in a fresh directory, with its own split salt, so each
@@ -47,7 +53,15 @@ from typing import Any
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from benchmarks.calibration_artifacts import Artifacts, CalibrationError, Registry, base_bundle, find_artifacts  # noqa: E402
+from benchmarks.calibration_artifacts import (  # noqa: E402
+    Artifacts,
+    CalibrationError,
+    Registry,
+    base_bundle,
+    find_artifacts,
+    hot_bundle,
+    sliced_record,
+)
 from benchmarks.calibration_outcomes import (  # noqa: E402
     SCENARIOS,
     TITLES,
@@ -66,16 +80,12 @@ for _name, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "MPLBACKEND": "Agg", "
 
 SLOW_FLAGS = ["--model-impl", "hf", "--max-num-seqs", "1"]
 ABORT_PERCENT = 3.0
-TTFT_INCREASE = 0.5
+TTFT_INCREASE = {"ttft": 0.5, "ttft25": 0.25}  # of the baseline's median TTFT, added before forwarding
+ITL_INCREASE = 0.3  # of the baseline's median inter-token latency, added before each streamed token but the first
 
-# The default plan: configs/default.yaml's rollout plan (what `make run` ships), the calibration's subject.
-DEFAULT_PLAN: dict[str, Any] = {
-    "baseline_seconds": 20, "baseline_min_pairs": 20, "shadow_seconds": 30, "shadow_min_pairs": 30,
-    "steps": [{"weight": 10, "seconds": 25, "min_requests": 20}, {"weight": 50, "seconds": 25, "min_requests": 20}],
-    "max_extensions": 1, "gates": {"max_ms_per_token_p95_ratio": 2.0},
-    "probes": {"tasks": 40, "safety": 40, "max_tokens": 40},
-}
-DEFAULT_TRAFFIC: dict[str, Any] = {"users": 200, "concurrency": 4, "max_tokens": 40}
+# The default plan: the rollout section of configs/default.yaml (what `make run` ships), the calibration's subject
+DEFAULT_RECIPE = REPO / "configs" / "default.yaml"
+DEFAULT_TRAFFIC: dict[str, Any] = {"users": 200, "concurrency": 4, "max_tokens": 40}  # keys the recipe leaves out
 
 
 # ----------------------------------------------------------------------------- one rollout
@@ -142,9 +152,15 @@ class Calibration:
         cwd = os.getcwd()
         os.chdir(self.work)
         try:
-            if scenario in ("aa", "ttft", "errors"):
+            if scenario in ("aa", "ttft", "ttft25", "itl", "errors"):
                 return reg.register("champion-again", art.champion, art.champion / "eval_record.json"), \
                     art.champion, []
+            if scenario == "sampled":
+                bundle = hot_bundle(art, self.work)
+                return reg.register("champion-hot", bundle, bundle / "eval_record.json"), bundle, []
+            if scenario == "slice":
+                record = sliced_record(art, self.work)
+                return reg.register("champion-slice", art.champion, record), art.champion, []
             if scenario == "slow":  # its own version: a replica is found again by version, not by its flags
                 return reg.register("champion-slow", art.champion, art.champion / "eval_record.json"), \
                     art.champion, list(SLOW_FLAGS)
@@ -158,20 +174,23 @@ class Calibration:
 
     def fault_for(self, scenario: str) -> dict[str, Any]:
         if scenario == "errors":
-            return {"canary": {"delay_ms": 0.0, "abort_percent": ABORT_PERCENT}}
-        if scenario == "ttft":
-            return {"canary": {"delay_ms": round(TTFT_INCREASE * self.reference_ttft_ms(), 2), "abort_percent": 0.0}}
+            return {"canary": {"abort_percent": ABORT_PERCENT}}
+        if scenario in TTFT_INCREASE:
+            return {"canary": {"delay_ms": round(TTFT_INCREASE[scenario] * self.reference_ms("ttft_ms"), 2)}}
+        if scenario == "itl":
+            return {"canary": {"token_delay_ms": round(ITL_INCREASE * self.reference_ms("itl_ms"), 2)}}
         return {}
 
-    def reference_ttft_ms(self) -> float:
-        """The baseline's median TTFT over the A/A runs' canary analyses; without A/A runs, the champion's
-        median TTFT over 20 s of traffic measured now."""
-        values = [a["metrics"]["baseline.ttft_ms_p50"] for o in self.outcomes if o.scenario == "aa"
-                  for a in o.analyses if "baseline.ttft_ms_p50" in a.get("metrics", {})]
+    def reference_ms(self, metric: str) -> float:
+        """The baseline's median ``metric`` (ttft_ms, itl_ms) over the A/A runs' canary analyses; without A/A
+        runs, the champion's median over 20 s of traffic measured now. What the latency drills are sized from."""
+        increase = {"ttft_ms": "TTFT", "itl_ms": "ITL"}[metric]
+        values = [a["metrics"][f"baseline.{metric}_p50"] for o in self.outcomes if o.scenario == "aa"
+                  for a in o.analyses if f"baseline.{metric}_p50" in a.get("metrics", {})]
         if values:
             ms = statistics.median(values)
-            self.notes.append(f"TTFT drill: delay {TTFT_INCREASE * ms:.2f} ms = {TTFT_INCREASE:g} × {ms:.2f} ms, the "
-                              f"median of the baseline's TTFT p50 over {len(values)} A/A canary analyses")
+            self.notes.append(f"{increase} drills sized from {ms:.2f} ms, the median of the baseline's {increase} p50 "
+                              f"over {len(values)} A/A canary analyses")
             return ms
         from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 
@@ -190,12 +209,12 @@ class Calibration:
                 gateway.close()
         finally:
             generator.stop()
-        samples = [x for r in window["variants"] if r["variant"] == "champion" for x in r["ttft_ms"]]
+        samples = [x for r in window["variants"] if r["variant"] == "champion" for x in r[metric]]
         if not samples:
-            raise CalibrationError("no TTFT measured for the champion in 20 s of traffic")
+            raise CalibrationError(f"no {increase} measured for the champion in 20 s of traffic")
         ms = statistics.median(samples)
-        self.notes.append(f"TTFT drill: delay {TTFT_INCREASE * ms:.2f} ms = {TTFT_INCREASE:g} × {ms:.2f} ms, the "
-                          f"champion's median TTFT over {len(samples)} requests (no A/A runs in this calibration)")
+        self.notes.append(f"{increase} drills sized from {ms:.2f} ms, the champion's median {increase} over "
+                          f"{len(samples)} requests (no A/A runs in this calibration)")
         return ms
 
     def run_scenario(self, scenario: str, k: int, progress, task) -> None:
@@ -328,8 +347,7 @@ def load_plan(path: Path | None) -> tuple[Any, dict[str, Any]]:
     from artifacts.common.config_loader import build_dataclass, read_yaml_mapping
     from serving.rollout.plan import RolloutPlan
 
-    if path is None:
-        return build_dataclass(RolloutPlan, DEFAULT_PLAN, key="", source="built-in"), dict(DEFAULT_TRAFFIC)
+    path = path or DEFAULT_RECIPE
     data = read_yaml_mapping(path)
     traffic = dict(DEFAULT_TRAFFIC)
     if "rollout" in data:  # a recipe
@@ -349,7 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
     ap.add_argument("--plan", type=Path, default=None,
                     help="plan YAML (RolloutPlan fields, or a recipe: its rollout.plan and rollout.traffic); "
-                         "default: configs/default.yaml's plan, built in")
+                         "default: configs/default.yaml's")
     ap.add_argument("--champion", default="candidate",
                     help="the champion: an alias in the pipeline's registry (the default run's shipped bundle) or "
                          "a released bundle directory")
@@ -365,7 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from artifacts.common.workdir import resolve_workdir
 
         args.workdir = resolve_workdir().root
-    args.scenarios = [s for s in SCENARIOS if s in names]  # A/A first: the TTFT drill is sized from it
+    args.scenarios = [s for s in SCENARIOS if s in names]  # A/A first: the latency drills are sized from it
     if args.k < 1 or (args.k_regressions is not None and args.k_regressions < 1) or args.threads < 1:
         ap.error("--k, --k-regressions and --threads must be >= 1")
     return args

@@ -242,6 +242,8 @@ class Proxy:
         status, error = 200, None
         continued = complete = False
         resumed: Continuation | None = None  # how to read the events of a replica that took over
+        fault = self.routing.state.faults.get(attempt.variant)
+        token_delay = fault.token_delay_ms / 1000 if fault is not None else 0.0  # a drill: a slower decode
         try:
             while True:
                 splitter, broke = EventSplitter(), None
@@ -257,6 +259,8 @@ class Proxy:
                             if continued and not new_text and b'"role"' in payload:
                                 continue  # the continuation's opening role chunk: the client has had one
                             if new_text:
+                                if token_delay and first_token is not None:
+                                    await asyncio.sleep(token_delay)
                                 now = time.perf_counter()
                                 if first_token is None:
                                     first_token = now

@@ -164,6 +164,29 @@ def test_slow_candidate_is_rolled_back_at_once_naming_the_gate(tmp_path, tiny_mo
         assert {"decision_log.jsonl", "timeline.md", "comparison.md", "comparison.png"} <= artifacts
 
 
+def test_a_slower_decode_with_the_same_ttft_is_rolled_back_by_inter_token_latency(tmp_path, tiny_model_dir):
+    """Fault injected on purpose: the gateway's token drill delays each streamed token after the first by 40 ms on
+    the canary, so only decoding is slower. itl_ratio fails; ttft_ratio, on the same requests, does not."""
+    import httpx
+
+    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
+    step = fast_plan().steps[0].__class__
+    plan = fast_plan(steps=[step(30, seconds=4, min_requests=5, min_keys=5), step(60, seconds=4, min_requests=5,
+                                                                              min_keys=5)])
+    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+        admin = {"authorization": f"Bearer {open(f['admin_key_file']).read()}"}
+        httpx.put(f"{f['gateway_url']}/admin/routing", headers=admin,
+                  json={"faults": {"canary": {"token_delay_ms": 40}}}).raise_for_status()
+        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
+        state, stats = _run_with_traffic(f, controller)
+    assert state.phase == "rolled_back", (state.phase, state.reason)
+    verdicts = {v["gate"]: v for v in state.analyses[-1]["verdicts"]}
+    assert verdicts["itl_ratio"]["outcome"] == "fail" and verdicts["itl_ratio"]["candidate"] > 2
+    assert verdicts["ttft_ratio"]["outcome"] != "fail"
+    assert [d["to"] for d in _decisions(state, "phase")] == ["canary 30%", "rolled_back"]
+    assert stats.user_errors == 0
+
+
 def test_a_different_model_pauses_for_a_person_who_rolls_back_by_tag(tmp_path, tiny_model_dir, tiny_model_dir_b):
     """Shadow agreement far below the noise floor is an advisory gate: the rollout pauses with the top
     disagreements logged, and a person's tag `rollout.action = rollback` ends it."""
