@@ -14,6 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from serving.rollout.controller import Controller
+from serving.rollout.plan import CanaryStep
 from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 from tests.browser import chromium_path, headless_page, mlflow_ui_server, page_text, save_screenshot, squash_whitespace
 from tests.serving.rollout_support import (
@@ -137,48 +138,44 @@ def _run_with_traffic(f, controller, seconds: float = 150, **traffic_kw):
     return state, stats
 
 
-def test_slow_candidate_is_rolled_back_at_once_naming_the_gate(tmp_path, tiny_model_dir):
-    """Fault injected on purpose: the gateway's delay drill makes the canary answer 300 ms late."""
+def _rollout_under_drill(tmp_path, model_dir, fault: dict):
+    """A canary-first rollout (30% then 60%) of the same weights re-released, with the gateway drill ``fault`` on
+    the canary; returns the registry, the final state, the traffic's stats and the gateway's routing after it."""
     import httpx
 
-    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
-    plan = fast_plan(steps=[fast_plan().steps[0].__class__(30, seconds=4, min_requests=5, min_keys=5),
-                            fast_plan().steps[0].__class__(60, seconds=4, min_requests=5, min_keys=5)])
-    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
+    registry = register_versions(tmp_path, {"a": model_dir, "a2": model_dir})
+    plan = fast_plan(steps=[CanaryStep(30, seconds=4, min_requests=5, min_keys=5),
+                            CanaryStep(60, seconds=4, min_requests=5, min_keys=5)])
+    with fleet(tmp_path, model_dir, model_dir) as f:
         admin = {"authorization": f"Bearer {open(f['admin_key_file']).read()}"}
         httpx.put(f"{f['gateway_url']}/admin/routing", headers=admin,
-                  json={"faults": {"canary": {"delay_ms": 300}}}).raise_for_status()
+                  json={"faults": {"canary": fault}}).raise_for_status()
         controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
         state, stats = _run_with_traffic(f, controller)
-        assert state.phase == "rolled_back"
-        assert "ttft_ratio" in state.reason
-        assert [d["to"] for d in _decisions(state, "phase")] == ["canary 30%", "rolled_back"]  # 60% never ran
-        assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a"]}
-        assert f["gateway"].routing.state.canary_weight == 0 and not f["gateway"].routing.state.canary.active
-        assert stats.user_errors == 0
-        tags = MlflowClient(registry.tracking_uri).get_model_version(MODEL, registry.versions["a2"]).tags
-        assert tags["rollout.state"] == "rolled back" and "ttft_ratio" in tags["rollout.verdict"]
-        run = MlflowClient(registry.tracking_uri).get_run(state.mlflow_run_id)
-        assert run.info.status == "FAILED" and run.data.tags["rollout.status"] == "rolled_back"
-        artifacts = {a.path for a in MlflowClient(registry.tracking_uri).list_artifacts(state.mlflow_run_id)}
-        assert {"decision_log.jsonl", "timeline.md", "comparison.md", "comparison.png"} <= artifacts
+        return registry, state, stats, f["gateway"].routing.state
+
+
+def test_slow_candidate_is_rolled_back_at_once_naming_the_gate(tmp_path, tiny_model_dir):
+    """Fault injected on purpose: the gateway's delay drill makes the canary answer 300 ms late."""
+    registry, state, stats, routing = _rollout_under_drill(tmp_path, tiny_model_dir, {"delay_ms": 300})
+    assert state.phase == "rolled_back"
+    assert "ttft_ratio" in state.reason
+    assert [d["to"] for d in _decisions(state, "phase")] == ["canary 30%", "rolled_back"]  # 60% never ran
+    assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a"]}
+    assert routing.canary_weight == 0 and not routing.canary.active
+    assert stats.user_errors == 0
+    tags = MlflowClient(registry.tracking_uri).get_model_version(MODEL, registry.versions["a2"]).tags
+    assert tags["rollout.state"] == "rolled back" and "ttft_ratio" in tags["rollout.verdict"]
+    run = MlflowClient(registry.tracking_uri).get_run(state.mlflow_run_id)
+    assert run.info.status == "FAILED" and run.data.tags["rollout.status"] == "rolled_back"
+    artifacts = {a.path for a in MlflowClient(registry.tracking_uri).list_artifacts(state.mlflow_run_id)}
+    assert {"decision_log.jsonl", "timeline.md", "comparison.md", "comparison.png"} <= artifacts
 
 
 def test_a_slower_decode_with_the_same_ttft_is_rolled_back_by_inter_token_latency(tmp_path, tiny_model_dir):
     """Fault injected on purpose: the gateway's token drill delays each streamed token after the first by 40 ms on
     the canary, so only decoding is slower. itl_ratio fails; ttft_ratio, on the same requests, does not."""
-    import httpx
-
-    registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
-    step = fast_plan().steps[0].__class__
-    plan = fast_plan(steps=[step(30, seconds=4, min_requests=5, min_keys=5), step(60, seconds=4, min_requests=5,
-                                                                              min_keys=5)])
-    with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
-        admin = {"authorization": f"Bearer {open(f['admin_key_file']).read()}"}
-        httpx.put(f"{f['gateway_url']}/admin/routing", headers=admin,
-                  json={"faults": {"canary": {"token_delay_ms": 40}}}).raise_for_status()
-        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
-        state, stats = _run_with_traffic(f, controller)
+    _, state, stats, _ = _rollout_under_drill(tmp_path, tiny_model_dir, {"token_delay_ms": 40})
     assert state.phase == "rolled_back", (state.phase, state.reason)
     verdicts = {v["gate"]: v for v in state.analyses[-1]["verdicts"]}
     assert verdicts["itl_ratio"]["outcome"] == "fail" and verdicts["itl_ratio"]["candidate"] > 2
