@@ -214,25 +214,29 @@ def hot_bundle(art: Artifacts, work: Path) -> Path:
 
 
 def sliced_record(art: Artifacts, work: Path) -> Path:
-    """The champion's eval record with one harm category's refusals cut by ``SLICE_LOSS`` (the category with the
-    fewest prompts of those the per-slice gate compares), the average refusal rate lowered to match: a planted
-    record, for a candidate whose weights are the champion's. The per-slice offline gate should catch it; the
-    average moves by a share of the category's prompts only."""
+    """The champion's eval record with one slice cut by ``SLICE_LOSS`` of its good outcomes: a harm category's
+    refusals where the record has safety slices, else a task slice's right answers (the smallest slice the
+    per-slice gate compares, short of the whole set), the metric's average lowered to match. A planted record, for
+    a candidate whose weights are the champion's: the per-slice offline gate should catch it, while the average
+    moves by the slice's share of the prompts only."""
     from serving.rollout.offline import OFFLINE_MIN_SAMPLES
 
     record = json.loads((art.champion / "eval_record.json").read_text())
-    row = next((r for r in record.get("results") or [] if r.get("metric") == "refusal_rate"), None)
-    slices = {label: s for label, s in ((row or {}).get("slices") or {}).items()
-              if int(s.get("n") or 0) >= OFFLINE_MIN_SAMPLES}
-    if not slices:
-        raise CalibrationError(f"{art.champion}/eval_record.json: no refusal_rate slice of ≥ {OFFLINE_MIN_SAMPLES} "
-                               "prompts to plant a regression in")
+    for metric in ("refusal_rate", "task_accuracy"):
+        row = next((r for r in record.get("results") or [] if r.get("metric") == metric), None)
+        slices = {label: s for label, s in ((row or {}).get("slices") or {}).items()
+                  if OFFLINE_MIN_SAMPLES <= int(s.get("n") or 0) < int(row["n"])}
+        if slices:
+            break
+    else:
+        raise CalibrationError(f"{art.champion}/eval_record.json: no refusal_rate or task_accuracy slice of ≥ "
+                               f"{OFFLINE_MIN_SAMPLES} prompts (short of the whole set) to plant a regression in")
     label = min(slices, key=lambda name: (int(slices[name]["n"]), name))
     cut = slices[label]
     lost = round(float(cut["value"]) * int(cut["n"]) * SLICE_LOSS)
     cut["value"] = float(cut["value"]) - lost / int(cut["n"])
     row["value"] = float(row["value"]) - lost / int(row["n"])
-    record.setdefault("metrics", {})["refusal_rate"] = row["value"]
+    record.setdefault("metrics", {})[metric] = row["value"]
     out = work / "records" / "slice" / "eval_record.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))

@@ -8,13 +8,14 @@ behind the gateway (all on 127.0.0.1), with replayed held-out traffic:
   rollback (a critical gate failed) or a false pause (inconclusive after the extensions, or an advisory gate).
 - planted regressions, each one a rollout that must not be promoted:
   **ttft** and **ttft25** (TTFT +50% and +25%: the gateway's delay drill on the canary, that share of the
-  baseline's median TTFT in the A/A runs), **itl** (ITL +30% only: the gateway's token drill delays each streamed
-  token but the first by 0.3 × the baseline's median inter-token latency; the same TTFT), **errors** (5xx +3%: the
-  gateway's abort drill, 3% of canary requests answered 503 and retried on the champion, so users never see
-  them), **sampled** (lost sampled accuracy only: the champion's weights bundled again with a hotter default
-  temperature in generation_config.json, so its greedy answers are the champion's and its sampled ones worse),
-  **slice** (a regression in one slice only: the champion's weights with an eval record in which one harm
-  category lost half its refusals, a planted record, the average still near the champion's), **refusals** (the
+  baseline's median TTFT in the A/A runs), **itl** (ITL +30% only: the gateway's token drill holds each streamed
+  token but the first to a gap of at least 1.3 × the baseline's median inter-token latency; the same TTFT),
+  **errors** (5xx +3%: the gateway's abort drill, 3% of canary requests answered 503 and retried on the
+  champion, so users never see them), **sampled** (lost sampled accuracy only: the champion's weights bundled
+  again with a hotter default temperature in generation_config.json, so its greedy answers are the champion's and
+  its sampled ones worse),
+  **slice** (a regression in one slice only: the champion's weights with a planted eval record in which one
+  slice lost half its good outcomes, a harm category's refusals or else a task slice's answers), **refusals** (the
   drill bundle, `configs/drill-broken-refusals.yaml`, registry alias `drill-candidate`), **accuracy** (the
   pipeline's base model, bundled, with an eval record made from the pipeline's own evaluation of the base
   model), **slow** (the champion's bundle served with the Hugging Face forward, one sequence at a time:
@@ -81,7 +82,7 @@ for _name, _value in {"MLFLOW_DISABLE_TELEMETRY": "true", "MPLBACKEND": "Agg", "
 SLOW_FLAGS = ["--model-impl", "hf", "--max-num-seqs", "1"]
 ABORT_PERCENT = 3.0
 TTFT_INCREASE = {"ttft": 0.5, "ttft25": 0.25}  # of the baseline's median TTFT, added before forwarding
-ITL_INCREASE = 0.3  # of the baseline's median inter-token latency, added before each streamed token but the first
+ITL_INCREASE = 0.3  # the gap floor: (1 + this) × the baseline's median inter-token latency
 
 # The default plan: the rollout section of configs/default.yaml (what `make run` ships), the calibration's subject
 DEFAULT_RECIPE = REPO / "configs" / "default.yaml"
@@ -178,7 +179,7 @@ class Calibration:
         if scenario in TTFT_INCREASE:
             return {"canary": {"delay_ms": round(TTFT_INCREASE[scenario] * self.reference_ms("ttft_ms"), 2)}}
         if scenario == "itl":
-            return {"canary": {"token_delay_ms": round(ITL_INCREASE * self.reference_ms("itl_ms"), 2)}}
+            return {"canary": {"token_gap_ms": round((1 + ITL_INCREASE) * self.reference_ms("itl_ms"), 2)}}
         return {}
 
     def reference_ms(self, metric: str) -> float:

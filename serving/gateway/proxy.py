@@ -243,7 +243,8 @@ class Proxy:
         continued = complete = False
         resumed: Continuation | None = None  # how to read the events of a replica that took over
         fault = self.routing.state.faults.get(attempt.variant)
-        token_delay = fault.token_delay_ms / 1000 if fault is not None else 0.0  # a drill: a slower decode
+        # a drill, a slower decode: each token after the first leaves at least token_gap after the one before
+        token_gap = fault.token_gap_ms / 1000 if fault is not None else 0.0
         try:
             while True:
                 splitter, broke = EventSplitter(), None
@@ -259,8 +260,8 @@ class Proxy:
                             if continued and not new_text and b'"role"' in payload:
                                 continue  # the continuation's opening role chunk: the client has had one
                             if new_text:
-                                if token_delay and first_token is not None:
-                                    await asyncio.sleep(token_delay)
+                                if token_gap and first_token is not None:
+                                    await asyncio.sleep(max(0.0, last + token_gap - time.perf_counter()))
                                 now = time.perf_counter()
                                 if first_token is None:
                                     first_token = now

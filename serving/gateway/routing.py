@@ -57,20 +57,22 @@ class Variant:
 
 @dataclass
 class Fault:
-    """A drill, not a bug: added delay before forwarding, a share of requests failed (HTTP 503), and added delay
-    before each streamed token after the first (a slower decode with the same time to first token)."""
+    """A drill, not a bug: added delay before forwarding, a share of requests failed (HTTP 503), and a floor on the
+    gap between streamed tokens (a slower decode with the same time to first token). A floor, not a delay added to
+    each token: while the gateway waits the replica goes on decoding, so a fixed per-token sleep only shifts the
+    stream and leaves the gaps as they were."""
 
     delay_ms: float = 0.0
     abort_percent: float = 0.0
-    token_delay_ms: float = 0.0
+    token_gap_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.delay_ms < 0 or self.token_delay_ms < 0 or not 0 <= self.abort_percent <= 100:
-            raise ValueError("fault: delay_ms and token_delay_ms must be >= 0, abort_percent in [0, 100]")
+        if self.delay_ms < 0 or self.token_gap_ms < 0 or not 0 <= self.abort_percent <= 100:
+            raise ValueError("fault: delay_ms and token_gap_ms must be >= 0, abort_percent in [0, 100]")
 
     @property
     def active(self) -> bool:
-        return self.delay_ms > 0 or self.abort_percent > 0 or self.token_delay_ms > 0
+        return self.delay_ms > 0 or self.abort_percent > 0 or self.token_gap_ms > 0
 
 
 @dataclass

@@ -173,9 +173,9 @@ def test_slow_candidate_is_rolled_back_at_once_naming_the_gate(tmp_path, tiny_mo
 
 
 def test_a_slower_decode_with_the_same_ttft_is_rolled_back_by_inter_token_latency(tmp_path, tiny_model_dir):
-    """Fault injected on purpose: the gateway's token drill delays each streamed token after the first by 40 ms on
-    the canary, so only decoding is slower. itl_ratio fails; ttft_ratio, on the same requests, does not."""
-    _, state, stats, _ = _rollout_under_drill(tmp_path, tiny_model_dir, {"token_delay_ms": 40})
+    """Fault injected on purpose: the gateway's token drill holds the canary's streamed tokens at least 40 ms apart
+    after the first, so only decoding is slower. itl_ratio fails; ttft_ratio, on the same requests, does not."""
+    _, state, stats, _ = _rollout_under_drill(tmp_path, tiny_model_dir, {"token_gap_ms": 40})
     assert state.phase == "rolled_back", (state.phase, state.reason)
     verdicts = {v["gate"]: v for v in state.analyses[-1]["verdicts"]}
     assert verdicts["itl_ratio"]["outcome"] == "fail" and verdicts["itl_ratio"]["candidate"] > 2

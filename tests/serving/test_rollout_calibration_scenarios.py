@@ -61,6 +61,20 @@ def test_the_sliced_record_loses_one_category_which_the_per_slice_gate_sees(tmp_
         "offline_refusal_slices"].reason
 
 
+def test_without_safety_slices_the_smallest_task_slice_short_of_the_whole_is_cut(tmp_path, tiny_model_dir):
+    """The pipeline's records carry no safety categories (session 51): the plant falls back to a task slice."""
+    art = _champion(tmp_path, tiny_model_dir)
+    task = {"metric": "task_accuracy", "value": 0.9, "n": 200,
+            "slices": {"addition": {"value": 0.9, "n": 200}, "carries-0": {"value": 0.9, "n": 40},
+                       "carries-1": {"value": 0.9, "n": 160}}}
+    write_eval_record(art.champion, metrics={"task_accuracy": 0.9}, gates={}, passed=True,
+                      results=[{"metric": "refusal_rate", "value": 0.95, "n": 43, "slices": {}}, task])
+    record = json.loads(sliced_record(art, tmp_path / "work").read_text())
+    row = next(r for r in record["results"] if r["metric"] == "task_accuracy")
+    assert row["slices"]["carries-0"]["value"] == 0.9 - 18 / 40 and row["slices"]["addition"]["value"] == 0.9
+    assert record["metrics"]["task_accuracy"] == row["value"] == 0.9 - 18 / 200
+
+
 def test_the_calibration_judges_the_plan_make_run_ships():
     """No copy of the plan to drift: configs/default.yaml's rollout plan and traffic, unless --plan says else."""
     import yaml
