@@ -10,7 +10,7 @@ from typing import Any
 SCENARIOS = ("aa", "ttft", "ttft25", "itl", "errors", "sampled", "slice", "refusals", "accuracy", "slow")
 TITLES = {"aa": "A/A (champion vs itself)", "ttft": "TTFT +50% (gateway delay on the canary)",
           "ttft25": "TTFT +25% (gateway delay on the canary)",
-          "itl": "ITL +30% only (gateway token delay on the canary; same TTFT)",
+          "itl": "ITL +30% only (gateway token-gap floor on the canary; same TTFT)",
           "errors": "5xx +3% (gateway abort on the canary)",
           "sampled": "lost sampled accuracy only (champion's weights, a hotter default temperature)",
           "slice": "one slice only (champion's weights; its record loses half of one slice)",
