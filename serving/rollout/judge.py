@@ -113,8 +113,9 @@ def rate_gate(gate: str, bad_candidate: int, n_candidate: int, bad_baseline: int
                        f"{label} {p_c:.3f} vs {p_b:.3f}: worse by {diff:+.3f}, beyond {margin:g} (p={p_value:.2g})",
                        critical, detectable)
     more = None
-    if effect is not None:
-        more = samples_for_power(pb, n_candidate, n_baseline, margin=margin, alpha=alpha, effect=effect, power=power)
+    if effect is not None:  # the look's own detectable increase settles the common case without a search
+        more = 0 if detectable <= effect else samples_for_power(pb, n_candidate, n_baseline, margin=margin,
+                                                                alpha=alpha, effect=effect, power=power)
     if diff > margin + RATE_EPSILON:
         settle = f"; ~{more} more candidate requests would settle +{effect:g}" if more else ""
         return Verdict(gate, INCONCLUSIVE, p_c, p_b, rule, p_value, n, min_samples,
