@@ -111,10 +111,11 @@ def describe_plan(plan) -> str:
     g = plan.gates
     return (f"baseline {plan.baseline_seconds:g} s (≥ {plan.baseline_min_pairs} pairs), shadow "
             f"{plan.shadow_seconds:g} s (≥ {plan.shadow_min_pairs} pairs), canary {steps}, "
-            f"{plan.max_extensions} extension(s) + {plan.max_rate_extensions} rate extension(s), alpha {g.alpha:g} / "
-            f"{plan.most_looks} looks per gate; 5xx ≤ +{g.max_error_rate_increase:g} (power {g.detect_power:g} "
-            f"to fail +{g.detect_error_rate_increase:g}), TTFT/ITL ≤ ×{g.max_ttft_ratio:g}/"
-            f"×{g.max_itl_ratio:g}, ms/token p95 ≤ ×{g.max_ms_per_token_p95_ratio:g}, agreement ≤ "
+            f"{plan.max_extensions} extension(s) + {plan.max_evidence_extensions} evidence extension(s), alpha "
+            f"{g.alpha:g} / {plan.most_looks} looks per gate; 5xx ≤ +{g.max_error_rate_increase:g} (power "
+            f"{g.detect_power:g} to fail +{g.detect_error_rate_increase:g}), TTFT/ITL ≤ ×{g.max_ttft_ratio:g}/"
+            f"×{g.max_itl_ratio:g} (to fail ×{g.detect_ttft_ratio:g}/×{g.detect_itl_ratio:g}), "
+            f"ms/token p95 ≤ ×{g.max_ms_per_token_p95_ratio:g}, agreement ≤ "
             f"+{g.max_agreement_drop:g}, probes {plan.probes.tasks} tasks + {plan.probes.safety} safety (accuracy, "
             f"refusals ≤ +{g.max_accuracy_drop:g}, +{g.max_refusal_drop:g}), eval record "
             f"{'required' if g.require_eval_record else 'optional'}")

@@ -143,12 +143,11 @@ def systems_verdicts(window: dict, candidate: tuple[str, str], champion: tuple[s
                         power=gates.detect_power),
     ]
     if streamed:
-        verdicts.append(judge.shift_gate("ttft_ratio", cand["ttft_ms"], champ["ttft_ms"],
-                                         max_ratio=gates.max_ttft_ratio, alpha=alpha, min_samples=min_requests,
-                                         against=against))
-        verdicts.append(judge.shift_gate("itl_ratio", cand["itl_ms"], champ["itl_ms"],
-                                         max_ratio=gates.max_itl_ratio, alpha=alpha, min_samples=min_requests,
-                                         against=against))
+        for gate, metric in (("ttft_ratio", "ttft_ms"), ("itl_ratio", "itl_ms")):
+            tolerance, effect = (getattr(gates, name) for name in LATENCY_GATES[gate])
+            verdicts.append(judge.shift_gate(gate, cand[metric], champ[metric], max_ratio=tolerance, alpha=alpha,
+                                             min_samples=min_requests, against=against, effect=effect,
+                                             power=gates.detect_power))
     else:  # shadow: each mirrored request against the champion's answer to the same request
         verdicts.append(judge.paired_latency_gate(
             "ms_per_token_p95_ratio", paired_ms_per_token(window, champion[1], candidate[1]),
@@ -230,20 +229,35 @@ def agreement_verdict(window: dict, champion_version: str, candidate_version: st
 
 
 TRAFFIC_RATE_GATES = {"error_rate": "max_error_rate_increase", "rate_limited": "max_rate_limited_increase"}
+# canary latency: gate → (tolerance, design effect) in Gates
+LATENCY_GATES = {"ttft_ratio": ("max_ttft_ratio", "detect_ttft_ratio"),
+                 "itl_ratio": ("max_itl_ratio", "detect_itl_ratio")}
 
 
-def collecting_rate_evidence(verdict: Verdict) -> bool:
-    """An inconclusive 5xx or 429 verdict that more requests would settle: short of its design power, or above
-    its tolerance but not significantly (what a rate extension is for)."""
-    return verdict.gate in TRAFFIC_RATE_GATES and verdict.outcome == INCONCLUSIVE and bool(verdict.more_samples)
+def collecting_evidence(verdict: Verdict) -> bool:
+    """An inconclusive 5xx, 429, TTFT or ITL verdict that more requests would settle: short of its design power,
+    or above its tolerance without it (what an evidence extension is for)."""
+    return (verdict.gate in TRAFFIC_RATE_GATES or verdict.gate in LATENCY_GATES) \
+        and verdict.outcome == INCONCLUSIVE and bool(verdict.more_samples)
 
 
-def rate_within_tolerance(verdict: Verdict, gates: Gates) -> bool:
-    """Whether a rate verdict's estimate is within its tolerance (short of power only, not of good news)."""
+def may_collect_at_next_step(verdict: Verdict, gates: Gates) -> bool:
+    """Whether an inconclusive verdict may be left to the next, larger canary step rather than hold this one.
+
+    A 5xx or 429 rate within its tolerance that only lacks requests: the canary pools its rates over the steps,
+    so the requests come sooner at the next weight. A TTFT or ITL ratio below the slowdown its gate exists to
+    catch (whether above the tolerance or short of power): latency is judged on each step's own window, with the
+    load its share brings, so the next step judges it afresh on several times the requests, and the last step
+    must pass it with power. An early step's window is too short to prove ×1.25 against ×1.10 (~250 requests a
+    side); holding it would cost half the A/A rollouts a long extension for nothing."""
     if verdict.candidate is None or verdict.baseline is None:
         return False
-    margin = getattr(gates, TRAFFIC_RATE_GATES[verdict.gate])
-    return verdict.candidate - verdict.baseline <= margin + judge.RATE_EPSILON
+    if verdict.gate in TRAFFIC_RATE_GATES:
+        margin = getattr(gates, TRAFFIC_RATE_GATES[verdict.gate])
+        return bool(verdict.more_samples) and verdict.candidate - verdict.baseline <= margin + judge.RATE_EPSILON
+    if verdict.gate in LATENCY_GATES:
+        return verdict.candidate <= getattr(gates, LATENCY_GATES[verdict.gate][1])
+    return False
 
 
 def more_time_helps(verdict: Verdict) -> bool:

@@ -25,9 +25,9 @@ from serving.rollout import analysis as A
 from serving.rollout import recording, report
 from serving.rollout.analysis import Analysis
 from serving.rollout.crash import crash_point
+from serving.rollout.evidence import next_for_evidence
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS
 from serving.rollout.phase_judge import PhaseJudge
-from serving.rollout.rate_evidence import next_for_rate_evidence
 from serving.rollout.registry_console import ACTIONS, RegistryConsole
 from serving.rollout.resumable import write_plan
 from serving.rollout.state import (
@@ -135,7 +135,7 @@ class Controller:
 
     def _deadline(self) -> float:
         seconds = self._phase_seconds()
-        return self.state.phase_started_at + seconds * (1 + self.state.extensions) + self.state.rate_extra_seconds
+        return self.state.phase_started_at + seconds * (1 + self.state.extensions) + self.state.evidence_extra_seconds
 
     # ----------------------------------------------------------------- a person's hand
     def _manual_actions(self) -> bool:
@@ -244,7 +244,7 @@ class Controller:
             self._pause(f"advisory gate failed, a person should read the disagreements: {result.reasons}"
                         f"{waive_hint(result.failed())}", CONTROLLER)
             return
-        if outcome == INCONCLUSIVE and self._collect_rate_evidence(result):
+        if outcome == INCONCLUSIVE and self._collect_evidence(result):
             return
         if outcome == INCONCLUSIVE:
             # a fact no window can settle (no eval record) waits for a person anyway: pause now, not after extending
@@ -262,18 +262,18 @@ class Controller:
             return
         self._advance(f"analysis {result.look} passed ({result.summary})")
 
-    def _collect_rate_evidence(self, result: Analysis) -> bool:
-        """Go on collecting when all that holds ``result`` back is a 5xx or 429 rate short of requests
-        (rate_evidence.py decides how); True when it did."""
+    def _collect_evidence(self, result: Analysis) -> bool:
+        """Go on collecting when all that holds ``result`` back is a 5xx, 429 or latency gate short of requests
+        (evidence.py decides how); True when it did."""
         state = self.state
-        decision = next_for_rate_evidence(state, self.plan, result, self._phase_seconds())
+        decision = next_for_evidence(state, self.plan, result, self._phase_seconds())
         if decision is None:
             return False
         if decision.extend_seconds is None:
             self._advance(decision.cause)
             return True
-        state.rate_extensions += 1
-        state.rate_extra_seconds += decision.extend_seconds
+        state.evidence_extensions += 1
+        state.evidence_extra_seconds += decision.extend_seconds
         self._record("extend", state.phase, state.phase, decision.cause, CONTROLLER)
         self._save()
         return True
@@ -381,7 +381,7 @@ class Controller:
             state.phase, state.step_index, state.phase_started_at = t.to_phase, t.step_index, t.at
             if t.to_phase not in (PAUSED, AWAITING_APPROVAL):
                 state.extensions = 0
-                state.rate_extensions, state.rate_extra_seconds = 0, 0.0
+                state.evidence_extensions, state.evidence_extra_seconds = 0, 0.0
             state.reason = t.cause if t.to_phase in (PAUSED, ROLLED_BACK, AWAITING_APPROVAL) else ""
             if t.to_phase in (PROMOTED, ROLLED_BACK):
                 state.finished_at = t.at

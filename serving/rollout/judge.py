@@ -27,9 +27,11 @@ Tests, chosen for small counts and for what each gate measures:
   on both; against the champion pool's requests instead (the old gate), the A/A ratio wandered ×1.0-1.5 with
   whatever else the host ran.
 
-The 5xx and 429 gates also carry the increase they exist to catch (``effect``): a look passes them only when it
-could have failed that increase with the design power, else it is inconclusive and says how many more requests
-would do (rate_evidence.py decides whether the rollout moves on or waits for them).
+The 5xx and 429 gates, and the canary's TTFT and ITL gates, also carry the regression they exist to catch
+(``effect``: +3 points of 5xx, ×1.25 TTFT): a look passes them only when it could have failed that regression with
+the design power, else it is inconclusive and says how many more requests would do (evidence.py decides whether
+the rollout moves on or waits for them). Tolerance and design effect are two numbers on purpose: a regression
+equal to the tolerance cannot be failed more often than alpha by any test of that tolerance.
 
 Looking at the data after every step would inflate false alarms, so the controller divides ``alpha``
 over the most analyses a rollout makes on its own, planned ones and extensions (Bonferroni): each gate fails a
@@ -61,10 +63,11 @@ class Verdict:
     min_samples: int
     reason: str
     critical: bool = True
-    # rate gates: the smallest true increase over the baseline this look would have failed, with DETECT_POWER
+    # rate gates: the smallest true increase over the baseline this look would have failed, with DETECT_POWER;
+    # latency gates: the smallest true ratio
     detectable: float | None = None
-    # traffic rate gates with a design effect: how many more candidate requests (both sides growing as they do)
-    # would let a look fail that effect with the design power; 0 when this look already could
+    # rate and latency gates with a design effect: how many more candidate requests (both sides growing as they
+    # do) would let a look fail that effect with the design power; 0 when this look already could
     more_samples: int | None = None
 
     def to_json(self) -> dict:
@@ -223,13 +226,20 @@ HL_MAX_SAMPLES = 1500  # per side for the Hodges-Lehmann estimate (all pairs: 2.
 
 
 def shift_gate(gate: str, candidate: list[float], baseline: list[float], *, max_ratio: float, alpha: float,
-               min_samples: int, critical: bool = True, against: str = "baseline") -> Verdict:
+               min_samples: int, critical: bool = True, against: str = "baseline", effect: float | None = None,
+               power: float | None = None) -> Verdict:
     """Fail when the candidate's values are significantly more than ``max_ratio`` × the baseline's.
 
     H0: log(candidate) ≤ log(baseline) + log(max_ratio), tested one-sided with Mann-Whitney U on the
     baseline shifted by the tolerance. The value is the Hodges-Lehmann ratio (the median of all pairwise
     candidate/baseline ratios); a fail means its lower confidence bound lies beyond the band.
+
+    ``effect``: the ratio this gate exists to catch (TTFT ×1.25 against a tolerance of ×1.10), as the rate gates'
+    design increase. A look passes only when it could have failed that ratio with probability ``power``; an
+    estimate within the tolerance on too few requests is inconclusive and says how many more would do. Without
+    a design ratio, a drill *at* the tolerance (×1.25 against ×1.25) passes half the time whatever the samples.
     """
+    power = DETECT_POWER if power is None else power
     rule = f"HL ratio ≤ {max_ratio:g}× {against}"
     n = min(len(candidate), len(baseline))
     if n < min_samples:
@@ -240,15 +250,37 @@ def shift_gate(gate: str, candidate: list[float], baseline: list[float], *, max_
     log_b = np.log(np.maximum(np.asarray(baseline, dtype=float), 1e-6))
     tolerance = math.log(max_ratio)
     p_value = float(mannwhitneyu(log_c, log_b + tolerance, alternative="greater").pvalue)
-    ratio, lower = hodges_lehmann_ratio(log_c, log_b, alpha)
+    ratio, lower, upper = hodges_lehmann_ratio(log_c, log_b, alpha)
+    # the standard error of the log shift, read off the distribution-free interval: what the design power needs
+    se = max(math.log(upper / lower), 0.0) / (2 * float(norm.ppf(1 - alpha)))
+    k = float(norm.ppf(1 - alpha) + norm.ppf(power))
+    detectable = max_ratio * math.exp(k * se)
     medians = f"median {float(np.median(np.exp(log_c))):.1f} vs {float(np.median(np.exp(log_b))):.1f} ms"
     detail = f"{medians}; HL ×{ratio:.2f} (≥ ×{lower:.2f} at {1 - alpha:.1%}), {len(candidate)}/{len(baseline)} samples"
-    return _ratio_verdict(gate, ratio, max_ratio, p_value, alpha, rule, n, min_samples, detail, critical)
+    could = f"this look would fail ×{detectable:.2f} with {power:.0%} power"
+    if p_value < alpha:
+        return Verdict(gate, FAIL, ratio, 1.0, rule, p_value, n, min_samples,
+                       f"{detail}: beyond ×{max_ratio:g} (p={p_value:.2g})", critical, detectable)
+    more = None
+    if effect is not None:
+        scale = (k * se / math.log(effect / max_ratio)) ** 2  # se shrinks as 1/√n with both sides grown alike
+        more = 0 if detectable <= effect else max(1, math.ceil(len(candidate) * scale) - len(candidate))
+    if ratio > max_ratio:
+        settle = f"; ~{more} more candidate requests would settle ×{effect:g}" if more else ""
+        return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, p_value, n, min_samples,
+                       f"{detail}: above ×{max_ratio:g} but not significantly (p={p_value:.2g}; {could}{settle})",
+                       critical, detectable, more)
+    if more:
+        return Verdict(gate, INCONCLUSIVE, ratio, 1.0, rule, p_value, n, min_samples,
+                       f"{detail}: within ×{max_ratio:g}, but {could}, not the ×{effect:g} this gate must catch: "
+                       f"~{more} more candidate requests", critical, detectable, more)
+    return Verdict(gate, PASS, ratio, 1.0, rule, p_value, n, min_samples, f"{detail} ({could})", critical,
+                   detectable, more)
 
 
-def hodges_lehmann_ratio(log_c: np.ndarray, log_b: np.ndarray, alpha: float) -> tuple[float, float]:
-    """exp of the Hodges-Lehmann shift of two log samples, and its one-sided (1 - alpha) lower bound, from the
-    order statistics of the pairwise differences (the distribution-free bound that inverts the U test)."""
+def hodges_lehmann_ratio(log_c: np.ndarray, log_b: np.ndarray, alpha: float) -> tuple[float, float, float]:
+    """exp of the Hodges-Lehmann shift of two log samples, and its one-sided (1 - alpha) lower and upper bounds,
+    from the order statistics of the pairwise differences (the distribution-free bounds that invert the U test)."""
     rng = np.random.default_rng(0)  # large samples are thinned the same way every time
     if len(log_c) > HL_MAX_SAMPLES:
         log_c = rng.choice(log_c, HL_MAX_SAMPLES, replace=False)
@@ -257,8 +289,9 @@ def hodges_lehmann_ratio(log_c: np.ndarray, log_b: np.ndarray, alpha: float) -> 
     diffs = np.sort((log_c[:, None] - log_b[None, :]).ravel())
     n1, n2 = len(log_c), len(log_b)
     k = int(math.floor(n1 * n2 / 2 - norm.ppf(1 - alpha) * math.sqrt(n1 * n2 * (n1 + n2 + 1) / 12)))
-    lower = diffs[min(max(k, 0), len(diffs) - 1)]
-    return float(math.exp(np.median(diffs))), float(math.exp(lower))
+    k = min(max(k, 0), len(diffs) - 1)
+    lower, upper = diffs[k], diffs[len(diffs) - 1 - k]
+    return float(math.exp(np.median(diffs))), float(math.exp(lower)), float(math.exp(upper))
 
 
 def check_gate(gate: str, passed: bool | None, reason: str, critical: bool = True) -> Verdict:

@@ -41,15 +41,20 @@ class Gates:
     max_rate_limited_increase: float = 0.02  # 429 rate
     # the increases the two rate gates exist to catch, and the power to catch them with: a canary passes a rate
     # gate only on enough requests to have failed that increase (pooled over the canary's steps), and collects
-    # more (rate extensions) while it has not. What 5xx +3 points against a 1-point tolerance needs: 500-900
+    # more (evidence extensions) while it has not. What 5xx +3 points against a 1-point tolerance needs: 500-900
     # requests a side at a rollout's per-look alpha
     detect_error_rate_increase: float = 0.03
     detect_rate_limited_increase: float = 0.06
     detect_power: float = 0.8
     # canary steps, candidate against the baseline replica: the Hodges-Lehmann ratio of time to first token and
-    # of inter-token latency (a typical request's, not a tail's; see judge.shift_gate)
-    max_ttft_ratio: float = 1.25
-    max_itl_ratio: float = 1.25
+    # of inter-token latency (a typical request's, not a tail's; see judge.shift_gate). A ratio significantly
+    # beyond max_* fails; a look passes only with the power to have failed detect_* (the slowdown the gate exists
+    # to catch). A/A ratios at the 50% step read ×0.94-1.07 on ~450 requests a side, so ×1.10 keeps A/A quiet
+    # while ×1.25 can be proven in one step (calibration, RESULTS.md)
+    max_ttft_ratio: float = 1.10
+    max_itl_ratio: float = 1.10
+    detect_ttft_ratio: float = 1.25
+    detect_itl_ratio: float = 1.25
     # shadow phase: p95 of ms per output token, each mirrored request against the champion's same request
     max_ms_per_token_p95_ratio: float = 1.5
     max_agreement_drop: float = 0.15  # shadow disagreement above the champion-vs-champion floor
@@ -66,6 +71,10 @@ class Gates:
         for name in ("max_ttft_ratio", "max_itl_ratio", "max_ms_per_token_p95_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for tolerance, effect in (("max_ttft_ratio", "detect_ttft_ratio"), ("max_itl_ratio", "detect_itl_ratio")):
+            if not getattr(self, tolerance) < getattr(self, effect):
+                raise ValueError(f"{effect}: must be above {tolerance} ({getattr(self, tolerance):g}), "
+                                 f"got {getattr(self, effect)}")
         for tolerance, effect in (("max_error_rate_increase", "detect_error_rate_increase"),
                                   ("max_rate_limited_increase", "detect_rate_limited_increase")):
             if not getattr(self, tolerance) < getattr(self, effect) <= 1:
@@ -114,10 +123,11 @@ class RolloutPlan:
     steps: list[CanaryStep] = field(default_factory=lambda: [CanaryStep(5), CanaryStep(25), CanaryStep(50)])
     promotion_approval: str = "none"  # "required": after the last step, wait for a person to promote
     max_extensions: int = 1  # an inconclusive analysis extends its phase this many times, then pauses
-    # more windows for the rate gates alone: while a 5xx or 429 rate has too few requests to have failed its
-    # design increase (Gates.detect_*), the phase extends by the time the traffic needs to bring them, this many
-    # times at most; within its tolerance before the last step, the rollout goes on collecting at the next weight
-    max_rate_extensions: int = 2
+    # more windows for the gates with a design effect alone (5xx, 429, TTFT, ITL): while one has too few requests
+    # to have failed its design effect (Gates.detect_*), the phase extends by the time the traffic needs to bring
+    # them, this many times at most; before the last step, a rate within its tolerance (or a latency ratio below
+    # its design effect) moves on and is judged again at the next weight (evidence.py)
+    max_evidence_extensions: int = 2
     bake_seconds: float = 0.0  # after promotion, keep the previous champion warm; moving `champion` back rolls back
     tick_seconds: float = 1.0
     gates: Gates = field(default_factory=Gates)
@@ -135,8 +145,8 @@ class RolloutPlan:
             raise ValueError(f"steps: weights must not decrease, got {weights}")
         if self.promotion_approval not in APPROVALS:
             raise ValueError(f"promotion_approval: must be one of {APPROVALS}")
-        if self.max_extensions < 0 or self.max_rate_extensions < 0 or self.tick_seconds <= 0:
-            raise ValueError("max_extensions and max_rate_extensions must be >= 0, tick_seconds > 0")
+        if self.max_extensions < 0 or self.max_evidence_extensions < 0 or self.tick_seconds <= 0:
+            raise ValueError("max_extensions and max_evidence_extensions must be >= 0, tick_seconds > 0")
 
     @property
     def planned_looks(self) -> int:
@@ -146,8 +156,8 @@ class RolloutPlan:
     @property
     def most_looks(self) -> int:
         """The most analyses a rollout makes on its own (a person's resume aside): the planned ones, each
-        extension, and each rate extension. The alpha budget is divided over these."""
-        return self.planned_looks + self.max_extensions + self.max_rate_extensions
+        extension, and each evidence extension. The alpha budget is divided over these."""
+        return self.planned_looks + self.max_extensions + self.max_evidence_extensions
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,6 +165,8 @@ class RolloutPlan:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RolloutPlan:
         data = dict(data)
+        if "max_rate_extensions" in data:  # its name before the latency gates shared it (a paused rollout's plan)
+            data.setdefault("max_evidence_extensions", data.pop("max_rate_extensions"))
         data["steps"] = [CanaryStep(**s) for s in data.get("steps", [])] or cls().steps
         data["gates"] = Gates(**data.get("gates", {}))
         data["probes"] = Probes(**data.get("probes", {}))

@@ -93,9 +93,10 @@ class RolloutState:
     step_index: int = -1  # index into plan.steps while in canary (and after it)
     phase_started_at: float = 0.0
     extensions: int = 0
-    # windows added for the rate gates alone (plan.max_rate_extensions), and the seconds they added to the phase
-    rate_extensions: int = 0
-    rate_extra_seconds: float = 0.0
+    # windows added for the gates with a design effect alone (plan.max_evidence_extensions), and the seconds they
+    # added to the phase
+    evidence_extensions: int = 0
+    evidence_extra_seconds: float = 0.0
     resume_to: str | None = None  # the phase a pause or approval returns to
     reason: str = ""
     started_at: float = field(default_factory=time.time)
@@ -132,6 +133,9 @@ class RolloutState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RolloutState:
         data = dict(data)
+        for old, new in (("rate_extensions", "evidence_extensions"), ("rate_extra_seconds", "evidence_extra_seconds")):
+            if old in data:  # a state written before the latency gates shared the rate gates' extensions
+                data.setdefault(new, data.pop(old))
         spec = dict(data["spec"])
         spec["plan"] = RolloutPlan.from_json(spec.get("plan", {}))
         data["spec"] = RolloutSpec(**spec)

@@ -55,12 +55,17 @@ def register_versions(tmp: Path, models: dict[str, Path], champion: bool = True,
 
 
 def gates_at_test_speed(**overrides) -> Gates:
-    """The plan's real tolerances, with the rate gates' design increases sized to a seconds-long step.
+    """The plan's real rate tolerances, with the design effects (rates and latency) sized to a seconds-long step.
 
     A 4-second step sees tens of requests a side, enough to fail +50 points of 5xx or 429, not the +3 and +6 the
-    defaults require (those need 500-900 requests a side: the rate extensions would run out, and the step pause).
-    The defaults' power is the subject of test_rollout_rate_power.py, on traffic sized for it."""
-    return Gates(**{"detect_error_rate_increase": 0.6, "detect_rate_limited_increase": 0.6, **overrides})
+    defaults require (those need 500-900 requests a side: the evidence extensions would run out, and the step
+    pause); and enough to fail TTFT ×4 against ×1.25, not ×1.25 against ×1.10 (~250 requests a side). The
+    latency tolerance is the one the plan had before it gained a design ratio: replicas here are threads beside
+    the suite's other worker. The defaults' power is the subject of test_rollout_rate_power.py and
+    test_rollout_latency_power.py, on traffic sized for it."""
+    return Gates(**{"detect_error_rate_increase": 0.6, "detect_rate_limited_increase": 0.6,
+                    "max_ttft_ratio": 1.25, "max_itl_ratio": 1.25, "detect_ttft_ratio": 4.0, "detect_itl_ratio": 4.0,
+                    **overrides})
 
 
 def latency_not_the_subject() -> Gates:
@@ -70,7 +75,8 @@ def latency_not_the_subject() -> Gates:
     (make test, session 46), above the default ×1.25 / ×1.5 but not significantly, so the step paused after
     its extensions, as it should on that evidence. The judge's own A/A and planted-fault tests keep the
     defaults."""
-    return gates_at_test_speed(max_ttft_ratio=3.0, max_itl_ratio=3.0, max_ms_per_token_p95_ratio=4.0)
+    return gates_at_test_speed(max_ttft_ratio=3.0, max_itl_ratio=3.0, max_ms_per_token_p95_ratio=4.0,
+                               detect_ttft_ratio=6.0, detect_itl_ratio=6.0)
 
 
 def fast_plan(**overrides) -> RolloutPlan:

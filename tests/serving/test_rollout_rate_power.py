@@ -1,5 +1,5 @@
 """Rate gates with power (issue 32 item 1): a 5xx or 429 gate passes only on enough requests to have failed the
-increase it exists to catch, and the rollout collects them (at the next weight, or by a rate extension sized
+increase it exists to catch, and the rollout collects them (at the next weight, or by an evidence extension sized
 to the traffic) instead of passing on what little it saw.
 
 The numbers are the defaults users get: a 1-point 5xx tolerance, +3 points to catch with 80% power, the
@@ -17,8 +17,8 @@ import httpx
 from serving.rollout import analysis, judge
 from serving.rollout.analysis import Analysis
 from serving.rollout.controller import Controller
+from serving.rollout.evidence import next_for_evidence
 from serving.rollout.plan import CanaryStep, Gates, RolloutPlan
-from serving.rollout.rate_evidence import next_for_rate_evidence
 from serving.rollout.state import CANARY, RolloutSpec, RolloutState
 from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 from tests.serving.rollout_support import MODEL, fast_plan, fleet, register_versions, spec_for
@@ -39,15 +39,15 @@ def test_a_rate_gate_passes_only_once_it_could_have_failed_its_design_increase()
     short = errors(0, 100, 0, 100)
     assert short.outcome == "inconclusive" and short.detectable > DEFAULTS.detect_error_rate_increase
     assert short.more_samples > 300 and f"~{short.more_samples} more candidate requests" in short.reason
-    assert analysis.collecting_rate_evidence(short) and analysis.rate_within_tolerance(short, DEFAULTS)
+    assert analysis.collecting_evidence(short) and analysis.may_collect_at_next_step(short, DEFAULTS)
     n = 100 + short.more_samples
     enough = errors(0, n, 0, n)
     assert enough.outcome == "pass" and enough.detectable <= DEFAULTS.detect_error_rate_increase
-    assert enough.more_samples == 0 and not analysis.collecting_rate_evidence(enough)
+    assert enough.more_samples == 0 and not analysis.collecting_evidence(enough)
     # an estimate above the tolerance, not significant, is still collecting (and not within its tolerance)
     above = errors(3, 100, 0, 100)
     assert above.outcome == "inconclusive" and "not significantly" in above.reason and above.more_samples
-    assert not analysis.rate_within_tolerance(above, DEFAULTS)
+    assert not analysis.may_collect_at_next_step(above, DEFAULTS)
     assert errors(30, 300, 0, 300).outcome == "fail"  # +10 points: failed whatever the power
     # gates without a design increase keep the plain three-way answer (the probes, agreement)
     assert judge.rate_gate("probe_accuracy", 0, 100, 0, 100, margin=0.05, alpha=ALPHA,
@@ -70,11 +70,11 @@ def test_at_the_size_it_asks_for_the_gate_is_quiet_on_a_a_and_catches_plus_three
     assert outcomes["plus3"].count("fail") / 300 >= 0.8 and "pass" not in outcomes["plus3"]
 
 
-def _state(step_index: int, rate_extensions: int = 0) -> tuple[RolloutState, RolloutPlan]:
+def _state(step_index: int, evidence_extensions: int = 0) -> tuple[RolloutState, RolloutPlan]:
     plan = RolloutPlan(steps=[CanaryStep(10, seconds=25), CanaryStep(50, seconds=25)])
     spec = RolloutSpec(model_name=MODEL, candidate_version="2", champion_version="1", candidate_replicas=[],
                        champion_replicas=[], plan=plan)
-    return RolloutState("r", spec, phase=CANARY, step_index=step_index, rate_extensions=rate_extensions), plan
+    return RolloutState("r", spec, phase=CANARY, step_index=step_index, evidence_extensions=evidence_extensions), plan
 
 
 def _look(verdicts: list[judge.Verdict], canary_requests: int, seconds: float = 25.0) -> Analysis:
@@ -87,26 +87,27 @@ def test_what_a_rollout_does_with_a_rate_short_of_requests():
     passed = judge.Verdict("ttft_ratio", "pass", 1.0, 1.0, "", 0.5, 100, 20, "")
     # within its tolerance at an early step: on to the next weight, where the pooled rate keeps collecting
     state, plan = _state(step_index=0)
-    moved = next_for_rate_evidence(state, plan, _look([short, passed], 100), phase_seconds=25)
-    assert moved.extend_seconds is None and "collected on at the next phase" in moved.cause
+    moved = next_for_evidence(state, plan, _look([short, passed], 100), phase_seconds=25)
+    assert moved.extend_seconds is None and "judged again at the next phase" in moved.cause
     # above its tolerance at an early step: the step holds, for as long as the traffic needs (4 requests/s here)
-    held = next_for_rate_evidence(state, plan, _look([above, passed], 100), phase_seconds=25)
+    held = next_for_evidence(state, plan, _look([above, passed], 100), phase_seconds=25)
     expected = 1.1 * above.more_samples / 4
-    assert held.extend_seconds == min(max(expected, 2.5), 50) and "collecting rate evidence" in held.cause
+    assert held.extend_seconds == min(max(expected, 2.5), 50) and "collecting evidence" in held.cause
     # at the last step, even within its tolerance: it extends (promotion needs a powered rate gate)
     last, _ = _state(step_index=1)
-    assert next_for_rate_evidence(last, plan, _look([short], 400), phase_seconds=25).extend_seconds > 0
+    assert next_for_evidence(last, plan, _look([short], 400), phase_seconds=25).extend_seconds > 0
     # the rate extensions spent, or anything else inconclusive: the ordinary extension and pause take over
-    spent, _ = _state(step_index=1, rate_extensions=plan.max_rate_extensions)
-    assert next_for_rate_evidence(spent, plan, _look([short], 400), phase_seconds=25) is None
+    spent, _ = _state(step_index=1, evidence_extensions=plan.max_evidence_extensions)
+    assert next_for_evidence(spent, plan, _look([short], 400), phase_seconds=25) is None
     latency = judge.Verdict("ttft_ratio", "inconclusive", 1.4, 1.0, "", 0.2, 100, 20, "not significantly")
-    assert next_for_rate_evidence(state, plan, _look([short, latency], 100), phase_seconds=25) is None
+    assert next_for_evidence(state, plan, _look([short, latency], 100), phase_seconds=25) is None
 
 
 def _mechanics_gates(**overrides) -> Gates:
     """The default rate tolerances and power; wide latency bands, which are not the subject and read high beside
     the suite's other worker (rollout_support.latency_not_the_subject)."""
-    return Gates(**{"max_ttft_ratio": 3.0, "max_itl_ratio": 3.0, "max_ms_per_token_p95_ratio": 4.0, **overrides})
+    return Gates(**{"max_ttft_ratio": 3.0, "max_itl_ratio": 3.0, "max_ms_per_token_p95_ratio": 4.0,
+                    "detect_ttft_ratio": 6.0, "detect_itl_ratio": 6.0, **overrides})
 
 
 def _run(f, controller: Controller, seconds: float = 90) -> RolloutState:
@@ -124,14 +125,14 @@ def _decisions(state: RolloutState, kind: str) -> list[dict]:
 
 def test_a_clean_canary_is_promoted_only_once_its_5xx_gate_could_have_failed(tmp_path, tiny_model_dir):
     """A/A: the early step moves on with its rate still collecting, the last step extends by the time the traffic
-    needs (rate extensions, each sized from the requests it lacks), and the rollout promotes at the first look
+    needs (evidence extensions, each sized from the requests it lacks), and the rollout promotes at the first look
     whose 5xx verdict could have failed the design increase. +0.05 here, not the default +0.03: ~350 requests a
     side instead of ~1,000, the same path in a third of the time."""
     registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
     effect = 0.05
     plan = fast_plan(steps=[CanaryStep(25, seconds=3, min_requests=8, min_keys=5),
                             CanaryStep(50, seconds=3, min_requests=8, min_keys=5)],
-                     max_extensions=1, max_rate_extensions=4,
+                     max_extensions=1, max_evidence_extensions=4,
                      gates=_mechanics_gates(detect_error_rate_increase=effect, detect_rate_limited_increase=0.08))
     with fleet(tmp_path, tiny_model_dir, tiny_model_dir) as f:
         controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan, start="canary"))
@@ -139,9 +140,11 @@ def test_a_clean_canary_is_promoted_only_once_its_5xx_gate_could_have_failed(tmp
     assert state.phase == "promoted", (state.phase, state.reason)
     phases = _decisions(state, "phase")
     assert [d["to"] for d in phases] == ["canary 25%", "canary 50%", "promoted"]
-    assert "still short of requests, collected on at the next phase" in phases[1]["cause"]
+    assert "short of evidence, judged again at the next phase" in phases[1]["cause"]
+    # evidence extensions held the last step; on a loaded runner a 3-second step can also lack its minimum
+    # samples or keys, which the ordinary extension covers (seen with a calibration running beside the suite)
     extensions = _decisions(state, "extend")
-    assert extensions and all("collecting rate evidence" in d["cause"] for d in extensions)
+    assert any("collecting evidence" in d["cause"] for d in extensions), "\n".join(d["cause"] for d in extensions)
     looks = [{v["gate"]: v for v in a["verdicts"]} for a in state.analyses]
     assert [v["error_rate"]["outcome"] for v in looks] == ["inconclusive"] * (len(looks) - 1) + ["pass"]
     assert all(v["error_rate"]["detectable"] > effect for v in looks[:-1])
@@ -154,7 +157,7 @@ def test_a_clean_canary_is_promoted_only_once_its_5xx_gate_could_have_failed(tmp
 def test_plus_thirty_points_of_5xx_is_rolled_back_at_the_first_weight(tmp_path, tiny_model_dir):
     """Fault injected on purpose: the gateway's abort drill answers 30% of canary requests 503 (retried on the
     champion, so users see none). The first step never moves on with its 5xx rate above the tolerance: it holds
-    (a rate extension) until the rate is significant, and the rollout is rolled back by error_rate."""
+    (an evidence extension) until the rate is significant, and the rollout is rolled back by error_rate."""
     registry = register_versions(tmp_path, {"a": tiny_model_dir, "a2": tiny_model_dir})
     plan = fast_plan(steps=[CanaryStep(25, seconds=3, min_requests=8, min_keys=5),
                             CanaryStep(50, seconds=3, min_requests=8, min_keys=5)],
