@@ -63,7 +63,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
-        prev = -1
+        prev = seq.hash_root
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs  # keep >= 1 token to compute so we get logits
         for i in range(limit):
@@ -133,7 +133,7 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        prev = seq.block_hashes[-1] if seq.block_hashes else -1
+        prev = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
         for i in range(len(seq.block_hashes), full):
             toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(prev, toks)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from serving.engine.attention import AttentionMetadata, paged_attention
 from serving.engine.int4_linear import Int4Linear
 from serving.engine.linear_backend import MKL_PACK_ROWS, choose_backend, tiled_kernels
+from serving.engine.lora import LoraBatch, LoraSlots
 from serving.engine.quantized_checkpoint import QuantizedLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -188,6 +189,7 @@ class CompactLlama:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.hidden = cfg.hidden_size
+        self.intermediate = cfg.intermediate_size
         self.scaling = self.head_dim ** -0.5
         self.embed = inner.embed_tokens.weight
         self.layers: list[_Layer] = []
@@ -223,6 +225,23 @@ class CompactLlama:
         self.kv_size = self.kv_heads * self.head_dim
         self.norm_kernels = kernels  # add_rms_norm and silu_mul: the C++ ones on CPU, Triton's on a GPU
         self.rope_and_store: Callable[..., None] | None = None  # see use_gpu_kernels
+        # LoRA adapters (serving.engine.lora): the resident ones' stacked weights, and which rows of the step
+        # each serves (set by the runner for a step with an adapter in it; None runs the base path untouched)
+        self.lora_slots: LoraSlots | None = None
+        self.lora_batch: LoraBatch | None = None
+
+    def lora_layout(self) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """Output sizes of each fused projection's parts, and each fused projection's input size (LoraSlots)."""
+        inter = self.intermediate
+        layout = {"qkv": [self.q_size, self.kv_size, self.kv_size], "o": [self.hidden],
+                  "gate_up": [inter, inter], "down": [self.hidden]}
+        return layout, {"qkv": self.hidden, "o": self.q_size, "gate_up": self.hidden, "down": inter}
+
+    def _lora(self, i: int, fused: str, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        batch = self.lora_batch
+        if batch is not None:
+            batch.add(out, x, self.lora_slots.shrink[i][fused], self.lora_slots.expand[i][fused])
+        return out
 
     @property
     def projections(self) -> list[Projection]:
@@ -294,7 +313,7 @@ class CompactLlama:
         delta = None
         for i, L in enumerate(self.layers):
             x = self._add_norm(h, delta, L.ln1, L.eps1)
-            qkv = L.qkv(x)
+            qkv = self._lora(i, "qkv", L.qkv(x), x)
             v = qkv[:, self.q_size + self.kv_size:].view(t, self.kv_heads, self.head_dim)
             if fused_rope:
                 q = qkv.new_empty(t, self.num_heads, self.head_dim)
@@ -309,16 +328,16 @@ class CompactLlama:
                 q = self._rope(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim), cos, sin)
                 k = self._rope(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.kv_heads, self.head_dim),
                                cos, sin)
-            o = paged_attention(q, k, v, i, meta, self.scaling)
-            x = self._add_norm(h, L.o(o.view(t, self.q_size)), L.ln2, L.eps2)
-            gu = L.gate_up(x)
+            o = paged_attention(q, k, v, i, meta, self.scaling).view(t, self.q_size)
+            x = self._add_norm(h, self._lora(i, "o", L.o(o), o), L.ln2, L.eps2)
+            gu = self._lora(i, "gate_up", L.gate_up(x), x)
             if self.norm_kernels is not None:
                 act = gu.new_empty(t, gu.shape[1] // 2)
                 self.norm_kernels.silu_mul(gu, act)
             else:
                 g, u = gu.chunk(2, dim=-1)
                 act = F.silu(g) * u
-            delta = L.down(act)
+            delta = self._lora(i, "down", L.down(act), act)
         if keep is not None:
             h = h.index_select(0, keep)
             delta = None if delta is None else delta.index_select(0, keep)

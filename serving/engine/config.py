@@ -58,6 +58,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # True: every step runs eagerly; False: decode-only steps on a GPU replay CUDA graphs captured per batch size
     enforce_eager: bool = False
+    # LoRA adapters (serving.engine.lora): how many are resident at once (0: adapters off), and their largest rank
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -71,6 +74,9 @@ class EngineConfig:
                              f"engine may use), got {self.gpu_memory_utilization}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras: must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, "
+                             f"{self.max_lora_rank}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_queue < 0:

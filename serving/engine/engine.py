@@ -24,10 +24,11 @@ from serving.engine.config import EngineConfig
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.device_memory import derive_max_model_len
 from serving.engine.draft_model import DraftModelProposer, draft_cache_blocks
-from serving.engine.errors import InvalidRequestError, QueueFullError
+from serving.engine.errors import InvalidRequestError, QueueFullError, UnknownAdapterError
 from serving.engine.executor import ModelExecutor
 from serving.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
 from serving.engine.limits import RequestLimits, validate_request
+from serving.engine.lora import LoraAdapter
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.sampler import Sampler
@@ -52,7 +53,7 @@ class LLMEngine:
                                                   config.block_size, runner.cache_flag)
         self.executor = ModelExecutor(runner, Sampler(seed=config.seed))
         self.scheduler = Scheduler(config, runner.num_blocks, self.max_model_len,
-                                   _make_proposer(config, runner, tokenizer))
+                                   _make_proposer(config, runner, tokenizer), lora=runner.lora)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -91,11 +92,13 @@ class LLMEngine:
         return validate_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        """Queue a request (thread-safe). Raises InvalidRequestError or QueueFullError (→ 400 / 429)."""
+                    priority: int = 0, arrival_time: float | None = None, lora: str | None = None) -> None:
+        """Queue a request (thread-safe), on the base or on the loaded adapter ``lora``. Raises
+        InvalidRequestError, UnknownAdapterError or QueueFullError (→ 400 / 404 / 429)."""
         params = self.validate(list(prompt_token_ids), params or SamplingParams())
         seq = Sequence(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                       priority=priority, arrival_time=arrival_time or time.monotonic())
+                       priority=priority, arrival_time=arrival_time or time.monotonic(),
+                       lora=None if lora is None else self._adapter(lora))
         if params.structured is not None:
             seq.grammar = start_matcher(self._grammars(), params.structured, seq.prompt_token_ids)
         with self._lock:
@@ -106,6 +109,35 @@ class LLMEngine:
                                      retry_after=1.0)
             self._ids_in_use.add(request_id)
             self._inbox.append(seq)
+
+    # ----------------------------------------------------------------- adapters
+    def _adapter(self, name: str) -> LoraAdapter:
+        adapter = self.runner.lora.registered.get(name) if self.runner.lora is not None else None
+        if adapter is None:
+            raise UnknownAdapterError(f"model: no adapter {name!r} is loaded")
+        return adapter
+
+    def load_lora(self, name: str, directory: str | Path) -> LoraAdapter:
+        """Read a PEFT adapter and make it servable (thread-safe; the read runs in the caller's thread, off the
+        engine loop, which goes on serving). Raises LoraError (a bad or mismatched adapter) or
+        InvalidRequestError (adapters off)."""
+        if self.runner.lora is None:
+            raise InvalidRequestError("lora: adapters are off on this engine (start it with max_loras > 0)")
+        adapter = self.runner.lora.read(name, directory)
+        with self._lock:
+            self.runner.lora.register(adapter)
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Refuse new requests for ``name``; requests already accepted finish on it."""
+        with self._lock:
+            if self.runner.lora is None or name not in self.runner.lora.registered:
+                raise UnknownAdapterError(f"lora_name: no adapter {name!r} is loaded")
+            self.runner.lora.unregister(name)
+
+    @property
+    def loras(self) -> dict[str, LoraAdapter]:
+        return dict(self.runner.lora.registered) if self.runner.lora is not None else {}
 
     def _grammars(self) -> GrammarCache:
         """The schema compiler, made on the first constrained request (llguidance loads only when used)."""
@@ -178,19 +210,24 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- batch API
     def generate(self, prompts: Seq[str] | Seq[list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Blocking batch generation; returns one finished RequestOutput per prompt, in order."""
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 loras: Seq[str | None] | None = None) -> list[RequestOutput]:
+        """Blocking batch generation; returns one finished RequestOutput per prompt, in order. ``loras``: the
+        adapter of each prompt (None: the base)."""
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"params: got {len(plist)} for {len(prompts)} prompts")
+        adapters = list(loras) if loras is not None else [None] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise InvalidRequestError(f"loras: got {len(adapters)} for {len(prompts)} prompts")
         ids = []
         base = f"gen-{time.monotonic_ns()}"
-        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, plist, adapters)):
             toks = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"{base}-{i}"
             ids.append(rid)
-            self._add_blocking(rid, toks, p)
+            self._add_blocking(rid, toks, p, lora)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.step():
@@ -198,11 +235,11 @@ class LLMEngine:
                     done[out.request_id] = out
         return [done[r] for r in ids]
 
-    def _add_blocking(self, rid: str, toks: list[int], p: SamplingParams) -> None:
+    def _add_blocking(self, rid: str, toks: list[int], p: SamplingParams, lora: str | None = None) -> None:
         """add_request that steps the engine while the queue is full instead of failing."""
         while True:
             try:
-                self.add_request(rid, toks, p)
+                self.add_request(rid, toks, p, lora=lora)
                 return
             except QueueFullError:
                 self.step()

@@ -24,6 +24,10 @@ class InvalidRequestError(EngineError):
         return field if colon and _FIELD.fullmatch(field) else None
 
 
+class UnknownAdapterError(EngineError):
+    """The request names a LoRA adapter this engine has not loaded (HTTP 404, ``model_not_found``)."""
+
+
 class QueueFullError(EngineError):
     """The waiting queue is at ``max_queue``; retry later (HTTP 429 with Retry-After)."""
 

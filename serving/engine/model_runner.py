@@ -45,6 +45,7 @@ from serving.engine.errors import ModelLoadError
 from serving.engine.int4_linear import Int4Linear
 from serving.engine.legacy_step_inputs import build_legacy_inputs
 from serving.engine.llama_checkpoint import load_plain
+from serving.engine.lora import FUSED, LoraBatch, LoraManager, LoraSlots
 from serving.engine.quantized_checkpoint import QuantizedLinear, is_quantized_dir, materialize_dense
 from serving.engine.quantized_checkpoint import load_model as load_quantized
 from serving.engine.scheduled_seq import ScheduledSeq
@@ -88,6 +89,7 @@ class ModelRunner:
         self.vocab_size = text_cfg.vocab_size
         self.max_position = getattr(text_cfg, "max_position_embeddings", 2048)
         self.block_size = config.block_size
+        self.lora = self._lora_manager() if config.max_loras else None
         self.cache_dtype = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) \
             else torch.float32
         self.decode_kernel = self.prefill_kernel = None
@@ -117,6 +119,28 @@ class ModelRunner:
         if self.triton is not None and self.compact is not None and self.device.type == "cuda" \
                 and not config.enforce_eager:
             self.enable_decode_graphs("graph")
+
+    def _lora_manager(self) -> LoraManager:
+        """Slots for ``max_loras`` resident adapters of rank ≤ ``max_lora_rank`` (serving.engine.lora)."""
+        if self.compact is None:
+            raise ModelLoadError("max_loras: LoRA adapters are served on the compact forward, which this model "
+                                 "does not run (a plain Llama, Mistral or Qwen2 checkpoint does)")
+        layout, in_features = self.compact.lora_layout()
+        slots = LoraSlots(layout, in_features, self.num_layers, self.config.max_loras, self.config.max_lora_rank,
+                          self.compact.embed.dtype, self.device)
+        self.compact.lora_slots = slots
+        shapes = {module: (out, in_features[fused]) for fused, modules in FUSED.items()
+                  for module, out in zip(modules, layout[fused], strict=True)}
+        log.info("LoRA: %d slots of rank ≤ %d (%.1f MB)", self.config.max_loras, self.config.max_lora_rank,
+                 slots.nbytes / 1e6)
+        return LoraManager(slots, self.config.max_lora_rank, shapes, self.num_layers)
+
+    def _lora_rows(self, scheduled: list[ScheduledSeq]) -> LoraBatch | None:
+        """Which rows of this step each resident adapter serves; None when none does (the base path)."""
+        if self.lora is None or all(item.seq.lora_slot < 0 for item in scheduled):
+            return None
+        rows = [item.seq.lora_slot for item in scheduled for _ in range(item.num_tokens)]
+        return LoraBatch.from_row_slots(rows, self.device)
 
     # ----------------------------------------------------------------- attention and graphs
     def _attention_backend(self) -> str:
@@ -294,15 +318,22 @@ class ModelRunner:
             row += item.num_tokens
         if not keep:
             keep = [0]
-        if self.builder is not None:
-            every_row = len(keep) == row and keep == list(range(row))  # e.g. a decode-only step, all sampling
-            if every_row and self.graphs is not None and all(item.num_tokens == 1 for item in scheduled) \
-                    and self.graphs.fits(scheduled):
-                logits = self.graphs.run(scheduled)
+        lora = self._lora_rows(scheduled)
+        if lora is not None:
+            self.compact.lora_batch = lora
+        try:
+            if self.builder is not None:
+                every_row = len(keep) == row and keep == list(range(row))  # e.g. a decode-only step, all sampling
+                if every_row and self.graphs is not None and lora is None \
+                        and all(item.num_tokens == 1 for item in scheduled) and self.graphs.fits(scheduled):
+                    logits = self.graphs.run(scheduled)
+                else:
+                    logits = self._forward(self.builder.build(scheduled, None if every_row else keep))
             else:
-                logits = self._forward(self.builder.build(scheduled, None if every_row else keep))
-        else:
-            logits = self._forward_legacy(scheduled, keep)
+                logits = self._forward_legacy(scheduled, keep)
+        finally:
+            if lora is not None:
+                self.compact.lora_batch = None
         sample_logits = logits[n_prompt_rows:n_prompt_rows + len(sample_rows)] if sample_rows else None
         prompt_logits = [(i, first, logits[lo:hi]) for i, first, lo, hi in prompt_spans]
         return StepLogits(sample_rows, sample_logits, prompt_logits,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
+from serving.engine.lora import LoraManager
 from serving.engine.outputs import EngineStats, LogprobRecord, ModelOutput, RequestOutput, request_output
 from serving.engine.scheduled_seq import ScheduledSeq
 from serving.engine.sequence import Sequence, SequenceStatus
@@ -56,8 +57,9 @@ class Scheduler:
     """The engine's sequences from admission to finish: their queues, KV blocks, guesses and counters."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, lora: LoraManager | None = None) -> None:
         self.config = config
+        self.lora = lora  # adapters: a running request holds its own resident (lora.py)
         self.max_model_len = max_model_len
         self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(proposer, max_model_len)
@@ -85,6 +87,7 @@ class Scheduler:
         """Take a finished or aborted sequence out of its queue and free its blocks now."""
         if seq in self.running:
             self.running.remove(seq)
+            self._release_adapter(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
@@ -92,11 +95,17 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_adapter(seq)
         self.bm.free_seq(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)  # keeps its arrival time, so it is picked again first
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora is not None and seq.lora_slot >= 0:
+            self.lora.release(seq.lora)
+            seq.lora_slot = -1
 
     # ----------------------------------------------------------------- plan
     def schedule(self) -> SchedulerOutput:
@@ -151,7 +160,10 @@ class Scheduler:
         if out.preempted:
             return out  # blocks are short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = min(self.waiting, key=lambda s: (s.priority, s.arrival_time))
+            admissible = [s for s in self.waiting if s.lora is None or self.lora.can_hold(s.lora)]
+            if not admissible:
+                break  # every waiting request's adapter needs a slot that running requests hold
+            seq = min(admissible, key=lambda s: (s.priority, s.arrival_time))
             n = seq.num_tokens  # upper bound: a cached prefix only lowers it
             if n > budget:
                 if not chunked:
@@ -168,6 +180,8 @@ class Scheduler:
                 self.waiting.append(seq)
                 break
             seq.status = SequenceStatus.RUNNING
+            if seq.lora is not None:
+                seq.lora_slot = self.lora.hold(seq.lora)
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled_ids.add(id(seq))

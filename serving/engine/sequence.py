@@ -11,6 +11,7 @@ from serving.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from serving.engine.detokenizer import IncrementalDetokenizer
+    from serving.engine.lora import LoraAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -57,10 +58,18 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     # the parser state of a constrained reply (``response_format``; serving.engine.structured_output)
     grammar: object = None
+    # the LoRA adapter the request asked for (None: the base), and its slot while the request runs
+    lora: LoraAdapter | None = None
+    lora_slot: int = -1
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def hash_root(self) -> int:
+        """Where this sequence's chain of prefix-cache hashes starts: one adapter's KV is not another's."""
+        return -1 if self.lora is None else hash(("lora", self.lora.digest))
 
     @property
     def num_prompt_tokens(self) -> int:
