@@ -78,7 +78,8 @@ def _read_config(directory: Path) -> dict:
         (bool(config.get("use_dora")), "use_dora (DoRA's magnitude vector)"),
         (config.get("bias", "none") != "none", f"bias {config.get('bias')!r} (only 'none')"),
         (bool(config.get("modules_to_save")), f"modules_to_save {config.get('modules_to_save')}"),
-        (bool(config.get("rank_pattern")) or bool(config.get("alpha_pattern")), "per-module rank_pattern/alpha_pattern"),
+        (bool(config.get("rank_pattern")) or bool(config.get("alpha_pattern")),
+         "per-module rank_pattern/alpha_pattern"),
         (bool(config.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D-style weights)"),
     ]
     for bad, what in unsupported:
