@@ -91,6 +91,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="run every step eagerly: no CUDA graphs for decode steps on a GPU (for comparison, or "
                         "to save the graphs' memory and capture time)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
+                   help="LoRA adapters (PEFT adapter directories) served beside the model: a request's `model` "
+                        "names one; loaded before the server is ready")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapters resident at once, mixed in one batch; more may be loaded, the least recently "
+                        "used is swapped out (default: 4 with --lora-modules or --admin-key-file, else 0: off)")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="largest adapter rank accepted (default: %(default)s)")
+    p.add_argument("--admin-key-file", default=None, metavar="FILE",
+                   help="a file holding the key for POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(Authorization: Bearer KEY); without it those routes answer 403")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets in-flight requests run; then they are ended and the process exits "
                         "(default: %(default)s)")
@@ -118,9 +129,49 @@ def engine_config_from_args(args: argparse.Namespace):
                             speculative_tokens=args.speculative_tokens,
                             speculative_model=args.speculative_model,
                             speculative_lookup=args.speculative_lookup,
-                            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+                            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                            max_loras=max_loras(args), max_lora_rank=args.max_lora_rank)
     except ValueError as e:
         raise ServeError(f"serve: {e}") from e
+
+
+DEFAULT_MAX_LORAS = 4
+
+
+def max_loras(args: argparse.Namespace) -> int:
+    if args.max_loras is not None:
+        return args.max_loras
+    return DEFAULT_MAX_LORAS if args.lora_modules or args.admin_key_file else 0
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    """``--lora-modules NAME=DIR ...`` as {name: dir}, each checked to be a PEFT adapter directory."""
+    modules: dict[str, str] = {}
+    for item in args.lora_modules:
+        name, eq, directory = item.partition("=")
+        if not eq or not name or not directory:
+            raise ServeError(f"--lora-modules: {item!r}: expected NAME=DIR")
+        if name in modules:
+            raise ServeError(f"--lora-modules: {name!r} is named twice")
+        if not (Path(directory) / "adapter_config.json").is_file():
+            raise ServeError(f"--lora-modules: {name}={directory}: no adapter_config.json (not a PEFT adapter "
+                             "directory)")
+        modules[name] = directory
+    if modules and max_loras(args) == 0:
+        raise ServeError("--lora-modules: adapters need --max-loras of at least 1")
+    return modules
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    if args.admin_key_file is None:
+        return None
+    try:
+        key = Path(args.admin_key_file).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise ServeError(f"--admin-key-file: {args.admin_key_file}: {e.strerror or e}") from None
+    if len(key) < 16:
+        raise ServeError(f"--admin-key-file: {args.admin_key_file}: the key must be at least 16 characters")
+    return key
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -134,10 +185,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not (0 < args.port < 65536):
         raise ServeError(f"--port: must be in 1..65535, got {args.port}")
     cfg = engine_config_from_args(args)
+    modules, key = lora_modules(args), admin_key(args)
     from serving.api.server import run_server
 
     run_server(model, args.host, args.port, cfg, served_model_name=args.served_model_name,
-               drain_timeout_s=args.drain_timeout, log_level=args.log_level, engine_process=args.engine_process)
+               drain_timeout_s=args.drain_timeout, log_level=args.log_level, engine_process=args.engine_process,
+               lora_modules=modules, admin_key=key)
     from artifacts.common.fast_exit import exit_now
 
     exit_now(0)

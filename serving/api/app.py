@@ -22,6 +22,7 @@ from serving.api.completion import CompletionServing
 from serving.api.engine_client import EngineClient
 from serving.api.engine_view import EngineView
 from serving.api.errors import APIError, ClientDisconnectedError, engine_api_error, error_response
+from serving.api.lora_routes import add_lora_routes, load_startup_adapters, model_card
 from serving.api.metrics import ServerMetrics
 from serving.api.openai_serving import next_output
 from serving.api.protocol import (
@@ -57,7 +58,8 @@ def _error(description: str, **extra: Any) -> dict[str, Any]:
 
 _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
     400: _error("Invalid request: malformed JSON, a field out of range, a prompt longer than the context."),
-    404: _error("No such model (`model` names another one)."),
+    404: _error("No such model (`model` names neither this server's model nor a loaded adapter: "
+                "`model_not_found`)."),
     429: _error("The queue is full; retry after `Retry-After` seconds.",
                 headers={"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}),
     500: _error("This request failed while generating (the server goes on serving others)."),
@@ -92,29 +94,35 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- app
 def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool = True,
-              client: EngineClient | None = None) -> FastAPI:
+              client: EngineClient | None = None, admin_key: str | None = None,
+              lora_modules: dict[str, str] | None = None) -> FastAPI:
     """The FastAPI app over an already loaded engine: in this process (the step thread starts with the app),
-    or, with ``client``, the engine-core process that client drives and ``engine`` views."""
+    or, with ``client``, the engine-core process that client drives and ``engine`` views. ``lora_modules``:
+    adapters (name -> directory) loaded before the server is ready; ``admin_key`` turns on the routes that
+    load and unload them while serving."""
     metrics = ServerMetrics(engine, model_name)
     if client is None:
         client = ThreadEngineClient(engine, metrics)
     client.metrics = metrics
-    state = ServerState(engine, client, metrics, model_name)
-    app = FastAPI(title="llm-lifecycle engine", version="1", lifespan=_lifespan(state, warmup),
+    state = ServerState(engine, client, metrics, model_name, admin_key=admin_key)
+    app = FastAPI(title="llm-lifecycle engine", version="1", lifespan=_lifespan(state, warmup, lora_modules or {}),
                   description="OpenAI-compatible completions and chat over the continuous-batching engine.")
     app.state.serving = state
     app.openapi = lambda: _openapi(app)
     _add_error_handlers(app)
     _add_status_routes(app, state)
     _add_generation_routes(app, state)
+    add_lora_routes(app, state)
     return app
 
 
-def _lifespan(state: ServerState, warmup: bool):
-    """Start the engine client with the app (and warm it up), ready only then; stop it when the app stops."""
+def _lifespan(state: ServerState, warmup: bool, lora_modules: dict[str, str]):
+    """Start the engine client with the app (load its adapters, warm it up), ready only then; stop it when the
+    app stops."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine_client.start(asyncio.get_running_loop())
+        await load_startup_adapters(state, lora_modules)
         if warmup:
             await _warmup(state)
         state.ready = True
@@ -176,9 +184,8 @@ def _add_status_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "llm-lifecycle",
-                                            "max_model_len": state.engine.max_model_len}]}
+        names = [state.model_name, *sorted(state.engine_client.adapters)]
+        return {"object": "list", "data": [model_card(state, name) for name in names]}
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:

@@ -43,7 +43,7 @@ class ChatServing(OpenAIServing):
         held_to_calls = call_grammar(plan, fmt, self.tok) if plan is not None and plan.constrained else None
         make = SamplingFactory(req, self.state.engine.sampling_defaults, max_tokens,
                                top if req.logprobs else None, None, structured=held_to_calls)
-        gen = self.start(request, "chatcmpl", [ids], make)
+        gen = self.start(request, "chatcmpl", [ids], make, req.model)
         if req.stream:
             return self.respond(request, self._stream(req, gen, top, plan))
         outs = await self.gather(gen, request)

@@ -30,7 +30,7 @@ class CompletionServing(OpenAIServing):
         lp = req.logprobs
         make = SamplingFactory(req, self.state.engine.sampling_defaults, req.max_tokens, lp,
                                lp if (req.echo and lp is not None) else None)
-        gen = self.start(request, "cmpl", prompts, make)
+        gen = self.start(request, "cmpl", prompts, make, req.model)
         if req.stream:
             return self.respond(request, self._stream(req, gen))
         return self.respond(request, await self._full(request, req, gen, texts))
@@ -101,7 +101,10 @@ class CompletionServing(OpenAIServing):
                 ids += o.token_ids
                 recs += (o.outputs[0].logprobs or [None] * len(o.token_ids))
                 logprobs = self._logprobs(ids, recs, zero_width)
-            choices.append({"index": sub.index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason})
+            choice = {"index": sub.index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
+            if req.return_token_ids:  # vLLM's extension, as the stream carries it
+                choice.update(prompt_token_ids=list(o.prompt_token_ids), token_ids=list(o.token_ids))
+            choices.append(choice)
         return self.answer(gen, "text_completion", choices, outs)
 
     def _stream(self, req: CompletionRequest, gen: Generation) -> AsyncIterator[str]:

@@ -14,6 +14,7 @@ import time
 
 from serving.api.metrics import ServerMetrics
 from serving.engine import EngineDrainingError, InvalidRequestError, RequestOutput, SamplingParams
+from serving.engine.lora_info import AdapterInfo
 
 
 class EngineDeadError(RuntimeError):
@@ -34,6 +35,7 @@ class EngineClient:
 
     def __init__(self, metrics: ServerMetrics | None = None) -> None:
         self.metrics = metrics
+        self.adapters: dict[str, AdapterInfo] = {}  # the LoRA adapters requests may name, as last reported
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
@@ -54,8 +56,17 @@ class EngineClient:
     def alive(self) -> bool:
         raise NotImplementedError
 
-    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  lora: str | None = None) -> None:
         """Hand a request to the engine; raises InvalidRequestError / QueueFullError (400 / 429)."""
+        raise NotImplementedError
+
+    async def load_lora(self, name: str, path: str) -> list[AdapterInfo]:
+        """Load a LoRA adapter while serving; the loaded adapters afterwards. Raises LoraError (400)."""
+        raise NotImplementedError
+
+    async def unload_lora(self, name: str) -> list[AdapterInfo]:
+        """Refuse new requests for an adapter; raises UnknownAdapterError (404)."""
         raise NotImplementedError
 
     def _send_abort(self, request_id: str) -> None:
@@ -77,7 +88,8 @@ class EngineClient:
             time.sleep(0.05)
         return False
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            lora: str | None = None) -> asyncio.Queue:
         if self.draining:
             raise EngineDrainingError("server is shutting down; not accepting new requests")
         if not self.alive:
@@ -87,7 +99,7 @@ class EngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         try:
-            self._send_add(request_id, prompt_token_ids, params)
+            self._send_add(request_id, prompt_token_ids, params, lora)
         except BaseException:
             self._queues.pop(request_id, None)
             raise

@@ -13,20 +13,21 @@ from fastapi.responses import JSONResponse
 
 from serving.api.engine_client import EngineDeadError, RequestAbortedError
 from serving.api.protocol import error_body
-from serving.engine import EngineDrainingError, InvalidRequestError, QueueFullError
+from serving.engine import EngineDrainingError, InvalidRequestError, LoraError, QueueFullError, UnknownAdapterError
 
 
 class APIError(Exception):
     """Answered as an OpenAI error body with ``status``."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+        self.code = code  # OpenAI's error code where it has one (``model_not_found``); else the status
 
     def body(self) -> dict:
         """The OpenAI error object, as a JSON answer or an SSE error event carries it."""
-        return error_body(self.message, self.type, self.param, self.status)
+        return error_body(self.message, self.type, self.param, self.code or self.status)
 
 
 class ClientDisconnectedError(Exception):
@@ -40,6 +41,11 @@ class ClientDisconnectedError(Exception):
         self.request_id, self.aborted = request_id, aborted
 
 
+def model_not_found(message: str) -> APIError:
+    """404 for a ``model`` this server does not serve (neither its base nor a loaded adapter), as OpenAI says it."""
+    return APIError(404, message, "not_found_error", "model", code="model_not_found")
+
+
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -48,6 +54,10 @@ def engine_api_error(e: BaseException) -> APIError:
     """The HTTP answer to an engine error, raised at admission or delivered in a request's queue."""
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e), param=e.param)
+    if isinstance(e, UnknownAdapterError):
+        return model_not_found(str(e).partition(": ")[2] or str(e))
+    if isinstance(e, LoraError):
+        return APIError(400, str(e), param="lora_path")
     if isinstance(e, QueueFullError):  # the engine's queue (or the core process's) is at max_queue
         return APIError(429, str(e), "rate_limit_error",
                         headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))})

@@ -29,6 +29,7 @@ class Generation:
     created: int
     prompts: list[list[int]]
     subs: list[SubRequest]
+    model: str = ""  # what the answer's ``model`` says: the server's model, or the adapter the request named
 
     @property
     def prompt_tokens(self) -> int:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from serving.api.engine_client import EngineDeadError
-from serving.api.errors import APIError, ClientDisconnectedError, engine_api_error
+from serving.api.errors import APIError, ClientDisconnectedError, engine_api_error, model_not_found
 from serving.api.generation import Generation, SubRequest
 from serving.api.request_parsing import id_header, parse_request, read_json_body, request_id
 from serving.api.sampling_factory import SamplingFactory
@@ -70,14 +70,20 @@ class OpenAIServing:
             return str(tid)
         return self.tok.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.state.model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "not_found_error", "model")
+    def adapter_of(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base); 404 ``model_not_found`` for anything
+        this server does not serve."""
+        if name is None or name == self.state.model_name:
+            return None
+        if name in self.state.engine_client.adapters:
+            return name
+        raise model_not_found(f"The model `{name}` does not exist.")
 
     async def read(self, request: Request, model_cls: type[BaseModel]) -> Any:
-        """The body as a ``model_cls`` request for this server's model (an APIError, 400 or 404, if not)."""
+        """The body as a ``model_cls`` request for this server's model or one of its adapters (an APIError, 400
+        or 404, if not)."""
         req = parse_request(model_cls, await read_json_body(request))
-        self.check_model(req.model)
+        self.adapter_of(req.model)
         return req
 
     @staticmethod
@@ -87,27 +93,30 @@ class OpenAIServing:
             return JSONResponse(answer, headers=id_header(request))
         return StreamingResponse(answer, media_type="text/event-stream", headers=id_header(request))
 
-    def _submit(self, rid: str, ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    def _submit(self, rid: str, ids: list[int], params: SamplingParams, lora: str | None) -> asyncio.Queue:
         s = self.state
         try:
-            return s.engine_client.add(rid, ids, params)
+            return s.engine_client.add(rid, ids, params, lora)
         except (InvalidRequestError, QueueFullError, EngineDrainingError, EngineDeadError) as e:
             rejected = _REJECTED_AS.get(type(e))
             if rejected is not None:
                 s.metrics.rejected.labels(s.model_name, rejected).inc()
             raise engine_api_error(e) from e
 
-    def start(self, request: Request, kind: str, prompts: list[list[int]], make: SamplingFactory) -> Generation:
-        """One engine request per (prompt, choice); on any failure abort those already added.
+    def start(self, request: Request, kind: str, prompts: list[list[int]], make: SamplingFactory,
+              model: str | None = None) -> Generation:
+        """One engine request per (prompt, choice), on the base or the adapter ``model`` names; on any failure
+        abort those already added.
 
         The answer's id is ``<kind>-<request id>`` (``cmpl``, ``chatcmpl``)."""
         answer_id = f"{kind}-{request_id(request)}"
-        gen = Generation(answer_id, int(time.time()), prompts, [])
+        lora = self.adapter_of(model)
+        gen = Generation(answer_id, int(time.time()), prompts, [], lora or self.state.model_name)
         try:
             for pi, ids in enumerate(prompts):
                 for c in range(make.n):
                     rid = f"{answer_id}-{uuid.uuid4().hex[:8]}-{pi}-{c}"  # unique even if a client reuses ids
-                    gen.subs.append(SubRequest(rid, len(gen.subs), pi, self._submit(rid, ids, make(c))))
+                    gen.subs.append(SubRequest(rid, len(gen.subs), pi, self._submit(rid, ids, make(c), lora)))
         except BaseException:
             self.abort_unfinished(gen)
             raise
@@ -171,7 +180,7 @@ class OpenAIServing:
 
     def head(self, gen: Generation, kind: str) -> dict[str, Any]:
         """What every answer and every stream chunk starts with: id, object (``kind``), created, model."""
-        return {"id": gen.id, "object": kind, "created": gen.created, "model": self.state.model_name}
+        return {"id": gen.id, "object": kind, "created": gen.created, "model": gen.model}
 
     def answer(self, gen: Generation, kind: str, choices: list[dict[str, Any]],
                outs: list[RequestOutput]) -> dict[str, Any]:

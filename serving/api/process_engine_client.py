@@ -15,12 +15,15 @@ What the handlers read about that engine (tokenizer, defaults, limits, stats) is
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import queue
 import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from serving.api.engine_client import EngineClient, EngineDeadError
@@ -31,12 +34,16 @@ from serving.engine.core_process import (
     CoreFailed,
     CoreReady,
     CoreStep,
+    LoadLora,
+    LoraReply,
     RequestRejected,
     Shutdown,
+    UnloadLora,
     run_engine_core,
 )
 from serving.engine.errors import ModelLoadError, QueueFullError
 from serving.engine.limits import validate_request
+from serving.engine.lora_info import AdapterInfo
 from serving.engine.output_deltas import OutputAssembler
 from serving.engine.outputs import RequestOutput
 from serving.engine.sampling_params import SamplingParams
@@ -65,6 +72,7 @@ class ProcessEngineClient(EngineClient):
         self._unstarted: set[str] = set()  # sent, no output yet: the API side's view of the waiting queue
         self._assembler = OutputAssembler()  # sent and not finished: what the core's deltas add up to
         self._stopping = False
+        self._replies: dict[str, concurrent.futures.Future] = {}  # adapter operations awaiting their LoraReply
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="engine-core-writer", daemon=True)
         log.info("engine core process %d serving %s", self.pid, model_dir)
@@ -107,20 +115,43 @@ class ProcessEngineClient(EngineClient):
         return self.error is None and self._proc.is_alive()
 
     # ----------------------------------------------------------------- requests (event-loop side)
-    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  lora: str | None = None) -> None:
         prompt = list(prompt_token_ids)  # the handler's list stays the handler's
         params = validate_request(prompt, params, self.limits)
         if len(self._unstarted) >= self.limits.max_queue:
             raise QueueFullError(f"queue is full ({self.limits.max_queue} requests waiting); retry later",
                                  retry_after=1.0)
         self._unstarted.add(request_id)
-        message = AddRequest(request_id, prompt, params, time.monotonic())
+        message = AddRequest(request_id, prompt, params, time.monotonic(), lora)
         self._assembler.add(request_id, prompt, params, message.arrival_time)
         self._outbox.put(message)
 
     def _send_abort(self, request_id: str) -> None:
         self._unstarted.discard(request_id)
         self._outbox.put(AbortRequest(request_id))
+
+    async def load_lora(self, name: str, path: str) -> list[AdapterInfo]:
+        return await self._control(LoadLora(uuid.uuid4().hex, name, path))
+
+    async def unload_lora(self, name: str) -> list[AdapterInfo]:
+        return await self._control(UnloadLora(uuid.uuid4().hex, name))
+
+    async def _control(self, message: LoadLora | UnloadLora) -> list[AdapterInfo]:
+        """Send an adapter operation to the core and wait for its ``LoraReply``."""
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._replies[message.token] = future
+        self._outbox.put(message)
+        try:
+            reply: LoraReply = await asyncio.wrap_future(future)
+        finally:
+            self._replies.pop(message.token, None)
+        self.adapters = {a.name: a for a in reply.adapters}
+        if reply.error is not None:
+            raise reply.error
+        return reply.adapters
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
@@ -170,6 +201,10 @@ class ProcessEngineClient(EngineClient):
                 if self.metrics is not None:
                     self.metrics.observe(outputs)
                 self._call_soon(self._deliver, outputs)
+            elif isinstance(message, LoraReply):
+                future = self._replies.get(message.token)
+                if future is not None and not future.done():
+                    future.set_result(message)
             elif isinstance(message, RequestRejected):
                 self._assembler.discard(message.request_id)
                 self._call_soon(self._fail_one, message.request_id, message.error)

@@ -76,7 +76,8 @@ def logging_config(log_level: str) -> dict[str, Any]:
 def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                engine_config: EngineConfig | None = None, served_model_name: str | None = None,
                drain_timeout_s: float = 30.0, log_level: str = "info", verify: bool = True,
-               engine_process: bool = True) -> None:
+               engine_process: bool = True, lora_modules: dict[str, str] | None = None,
+               admin_key: str | None = None) -> None:
     """Load, verify, warm up and serve until SIGTERM/SIGINT; SIGTERM drains in-flight requests first. A device
     error in the engine ends the server too, with DeviceFailedError (exit status 2 from the CLI), once the
     requests in flight have their 503: a fresh process is the only cure for a poisoned CUDA context.
@@ -95,10 +96,10 @@ def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
             verify_if_bundle(path)
         client = ProcessEngineClient(path, config, log_level)
         engine = EngineView.load(path, client)
-        app = build_app(engine, name, client=client)
+        app = build_app(engine, name, client=client, admin_key=admin_key, lora_modules=lora_modules)
     else:
         engine = load_engine(path, config, verify=verify)
-        app = build_app(engine, name)
+        app = build_app(engine, name, admin_key=admin_key, lora_modules=lora_modules)
     _log_sampling_defaults(path, engine.sampling_defaults)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config,
                                access_log=False, timeout_graceful_shutdown=_FINAL_WRITE_S,

@@ -20,3 +20,4 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     ready: bool = False
+    admin_key: str | None = None  # the operator's key for the adapter routes (None: those routes are off)

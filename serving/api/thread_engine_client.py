@@ -12,6 +12,7 @@ from serving.api.engine_client import EngineClient, EngineDeadError
 from serving.api.metrics import ServerMetrics
 from serving.engine import SamplingParams
 from serving.engine.device_errors import describe_device_error, is_device_error
+from serving.engine.lora_info import AdapterInfo
 
 if TYPE_CHECKING:
     from serving.engine import LLMEngine
@@ -43,9 +44,23 @@ class ThreadEngineClient(EngineClient):
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params)
+    def _send_add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  lora: str | None = None) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, lora=lora)
         self._wake.set()
+
+    async def load_lora(self, name: str, path: str) -> list[AdapterInfo]:
+        await asyncio.to_thread(self.engine.load_lora, name, path)  # the read runs off the event loop
+        return self._adapters_now()
+
+    async def unload_lora(self, name: str) -> list[AdapterInfo]:
+        self.engine.unload_lora(name)
+        return self._adapters_now()
+
+    def _adapters_now(self) -> list[AdapterInfo]:
+        infos = [a.info for a in self.engine.loras.values()]
+        self.adapters = {a.name: a for a in infos}
+        return infos
 
     def _send_abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

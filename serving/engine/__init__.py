@@ -30,7 +30,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "serving.engine.config": ["EngineConfig"],
     "serving.engine.engine": ["LLMEngine"],
     "serving.engine.errors": ["EngineDrainingError", "EngineError", "InvalidRequestError", "ModelLoadError",
-                              "QueueFullError", "UnknownAdapterError"],
+                              "LoraError", "QueueFullError", "UnknownAdapterError"],
     "serving.engine.outputs": ["CompletionOutput", "EngineStats", "RequestOutput"],
     "serving.engine.sampling_params": ["SamplingParams"],
 })

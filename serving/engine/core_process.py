@@ -29,6 +29,7 @@ from serving.engine.config import EngineConfig
 from serving.engine.device_errors import DEVICE_ERROR_EXIT, describe_device_error, is_device_error
 from serving.engine.errors import EngineError
 from serving.engine.limits import RequestLimits
+from serving.engine.lora_info import AdapterInfo
 from serving.engine.output_deltas import DeltaEncoder, RequestDelta
 from serving.engine.outputs import EngineStats
 from serving.engine.sampling_params import SamplingParams
@@ -46,6 +47,22 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams  # validated, with max_tokens resolved, by the API side
     arrival_time: float  # time.monotonic() in the API process (one clock for both processes on Linux)
+    lora: str | None = None  # the adapter it runs on (None: the base)
+
+
+@dataclass
+class LoadLora:
+    """Read a LoRA adapter and make it servable; answered by a ``LoraReply`` with the same ``token``."""
+
+    token: str
+    name: str
+    path: str
+
+
+@dataclass
+class UnloadLora:
+    token: str
+    name: str
 
 
 @dataclass
@@ -83,6 +100,16 @@ class CoreFailed:
 class CoreStep:
     deltas: list[RequestDelta]
     stats: EngineStats
+
+
+@dataclass
+class LoraReply:
+    """What a ``LoadLora`` or ``UnloadLora`` did: ``error`` None on success; ``adapters``: every loaded adapter
+    afterwards."""
+
+    token: str
+    error: EngineError | None
+    adapters: list[AdapterInfo]
 
 
 @dataclass
@@ -165,12 +192,25 @@ def _step_loop(engine, conn: Connection) -> None:
             conn.send(CoreStep([encoder.encode(o) for o in outputs], engine.stats()))
 
 
-def _apply(engine, conn: Connection, message: AddRequest | AbortRequest) -> None:
+def _apply(engine, conn: Connection, message: AddRequest | AbortRequest | LoadLora | UnloadLora) -> None:
     if isinstance(message, AbortRequest):
         engine.abort(message.request_id)
         return
+    if isinstance(message, (LoadLora, UnloadLora)):
+        # reading an adapter holds the step loop for the read (milliseconds for a rank-16 adapter of a small
+        # model); the requests in flight wait that long, none fails
+        try:
+            if isinstance(message, LoadLora):
+                engine.load_lora(message.name, message.path)
+            else:
+                engine.unload_lora(message.name)
+            error = None
+        except EngineError as exc:
+            error = exc
+        conn.send(LoraReply(message.token, error, [a.info for a in engine.loras.values()]))
+        return
     try:
         engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                           arrival_time=message.arrival_time)
+                           arrival_time=message.arrival_time, lora=message.lora)
     except EngineError as exc:
         conn.send(RequestRejected(message.request_id, exc))

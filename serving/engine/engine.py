@@ -122,7 +122,7 @@ class LLMEngine:
         engine loop, which goes on serving). Raises LoraError (a bad or mismatched adapter) or
         InvalidRequestError (adapters off)."""
         if self.runner.lora is None:
-            raise InvalidRequestError("lora: adapters are off on this engine (start it with max_loras > 0)")
+            raise InvalidRequestError("lora_name: adapters are off on this server (start it with --max-loras N)")
         adapter = self.runner.lora.read(name, directory)
         with self._lock:
             self.runner.lora.register(adapter)

@@ -28,6 +28,10 @@ class UnknownAdapterError(EngineError):
     """The request names a LoRA adapter this engine has not loaded (HTTP 404, ``model_not_found``)."""
 
 
+class LoraError(EngineError):
+    """An adapter that cannot be served on this base (HTTP 400): the message names the file and the reason."""
+
+
 class QueueFullError(EngineError):
     """The waiting queue is at ``max_queue``; retry later (HTTP 429 with Retry-After)."""
 

@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+from serving.engine.errors import LoraError
+from serving.engine.lora_info import AdapterInfo
+
 __all__ = ["ADAPTER_CONFIG", "FUSED", "LoraAdapter", "LoraBatch", "LoraError", "LoraManager", "LoraSlots",
            "load_adapter"]
 
@@ -40,10 +43,6 @@ FUSED: dict[str, tuple[str, ...]] = {"qkv": ("q_proj", "k_proj", "v_proj"), "o":
                                      "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-class LoraError(ValueError):
-    """An adapter that cannot be served on this base: the message names the file and the reason."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,10 @@ class LoraAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+    @property
+    def info(self) -> AdapterInfo:
+        return AdapterInfo(self.name, self.path, self.rank, self.digest)
 
 
 def _read_config(directory: Path) -> dict:

@@ -91,6 +91,10 @@ class EngineStats:
     spec_draft_tokens_total: int = 0  # guessed tokens checked (speculative decoding)
     spec_accepted_tokens_total: int = 0  # guessed tokens the model agreed with
     spec_draft_cost_ratio: float = 0.0  # a draft pass's cost over a target step's, as measured (0: none yet)
+    # LoRA adapters: those running requests hold, those only waiting requests ask for, and the resident slots
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

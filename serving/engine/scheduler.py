@@ -302,4 +302,12 @@ class Scheduler:
                            requests_finished_total=self.requests_finished_total, num_steps=num_steps,
                            spec_draft_tokens_total=spec.stats.drafted,
                            spec_accepted_tokens_total=spec.stats.accepted,
-                           spec_draft_cost_ratio=spec.draft_cost_ratio)
+                           spec_draft_cost_ratio=spec.draft_cost_ratio, **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        running = self.lora.running
+        waiting = sorted({s.lora.name for s in self.waiting if s.lora is not None} - set(running))
+        return {"lora_running": tuple(running), "lora_waiting": tuple(waiting),
+                "max_loras": self.lora.slots.max_loras}

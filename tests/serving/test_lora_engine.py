@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.engine import EngineConfig, SamplingParams, UnknownAdapterError
+from serving.engine import EngineConfig, LoraError, SamplingParams, UnknownAdapterError
 from serving.engine.engine import LLMEngine
-from serving.engine.lora import LoraError
 from tests.serving.conftest import build_tiny_model
 
 PROMPTS = ["the cat sat on", "a small model", "the cat sat on", "numbers and words"]
