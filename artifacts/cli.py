@@ -1,4 +1,4 @@
-"""`lifecycle bundle ...` subcommands: write, verify, register, resolve.
+"""`lifecycle bundle ...` subcommands: write, write-adapter, verify, register, resolve.
 
 Handlers raise `LifecycleError` subclasses (BundleError, BundleVerificationError, RegistryError);
 `flows/cli.py` prints `error: <message>` and exits 2, so a refused bundle is one line, no traceback.
@@ -39,11 +39,36 @@ def _summary(bundle: Path, manifest: Manifest, title: str) -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from artifacts.adapter_bundle import is_adapter_bundle, verify_adapter_bundle
     from artifacts.verify import verify_bundle
 
     bundle = Path(args.dir)
+    if is_adapter_bundle(bundle):
+        if args.base is not None:
+            verify_bundle(args.base)
+        adapter = verify_adapter_bundle(bundle, base=args.base)
+        lora, base = adapter.lora, adapter.base
+        print(f"verified adapter: {bundle}\n  name {adapter.name}  version {adapter.version}  rank {lora.rank}  "
+              f"alpha {lora.alpha:g}  targets {','.join(lora.target_modules)}  layers {lora.layers}\n"
+              f"  base {base.name}:{base.version} (manifest sha256 {base.manifest_digest})"
+              + ("" if args.base is None else f", matched by {args.base}"))
+        return 0
+    if args.base is not None:
+        raise ConfigError(f"--base: {bundle} is a model bundle, not an adapter bundle")
     manifest = verify_bundle(bundle, tp_degree=args.tp)
     print(_summary(bundle, manifest, "verified"))
+    return 0
+
+
+def _cmd_write_adapter(args: argparse.Namespace) -> int:
+    from artifacts.adapter_bundle import verify_adapter_bundle, write_adapter_bundle
+    from artifacts.verify import verify_bundle
+
+    verify_bundle(args.base)
+    out = write_adapter_bundle(args.adapter_dir, args.out, args.base, name=args.name, version=args.version)
+    adapter = verify_adapter_bundle(out, base=args.base)
+    print(f"wrote adapter: {out}\n  name {adapter.name}  version {adapter.version}  rank {adapter.lora.rank}  "
+          f"base {adapter.base.name}:{adapter.base.version} (manifest sha256 {adapter.base.manifest_digest})")
     return 0
 
 
@@ -103,7 +128,17 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="recompute a bundle's checksums and contracts; one line on failure")
     p.add_argument("dir")
     p.add_argument("--tp", type=int, default=None, help="also check this tensor-parallel degree fits")
+    p.add_argument("--base", default=None, metavar="BASE_BUNDLE",
+                   help="for an adapter bundle: the base bundle it must have been trained on")
     p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("write-adapter", help="package a PEFT LoRA adapter dir, trained on a base bundle")
+    p.add_argument("adapter_dir")
+    p.add_argument("out")
+    p.add_argument("--base", required=True, metavar="BASE_BUNDLE", help="the base bundle it was trained on")
+    p.add_argument("--name", required=True)
+    p.add_argument("--version", default="1")
+    p.set_defaults(func=_cmd_write_adapter)
 
     p = sub.add_parser("write", help="package a HF safetensors model dir as a bundle")
     p.add_argument("model_dir")

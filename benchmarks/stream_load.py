@@ -51,10 +51,10 @@ class Stream:
 
 
 async def one_stream(client, url: str, headers: dict[str, str], prompt: list[int], max_tokens: int,
-                     t0: float) -> Stream:
+                     t0: float, model: str = SERVED_NAME) -> Stream:
     import httpx
 
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     out = Stream(sent=time.perf_counter() - t0)
     try:
@@ -95,14 +95,16 @@ async def read_stream(client, url: str, headers: dict[str, str], body: dict, out
 
 
 async def run_load(client, url: str, headers: dict[str, str], prompts: list[list[int]], shapes: list[Shape],
-                   concurrency: int) -> list[Stream]:
+                   concurrency: int, models: list[str] | None = None) -> list[Stream]:
+    """``models``: the ``model`` of each request (a LoRA adapter's name, say); default the served name."""
     order = iter(range(len(shapes)))
     results: list[Stream | None] = [None] * len(shapes)
     t0 = time.perf_counter()
 
     async def worker() -> None:
         for i in order:
-            results[i] = await one_stream(client, url, headers, prompts[i], shapes[i].max_tokens, t0)
+            model = models[i] if models is not None else SERVED_NAME
+            results[i] = await one_stream(client, url, headers, prompts[i], shapes[i].max_tokens, t0, model)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return [r for r in results if r is not None]

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from artifacts.adapter_bundle import verify_for_serving
 from artifacts.common.cli import main_with_subcommands
 from artifacts.common.sizes import format_size, parse_size
 from artifacts.errors import LifecycleError
@@ -156,6 +157,10 @@ def lora_modules(args: argparse.Namespace) -> dict[str, str]:
         if not (Path(directory) / "adapter_config.json").is_file():
             raise ServeError(f"--lora-modules: {name}={directory}: no adapter_config.json (not a PEFT adapter "
                              "directory)")
+        try:
+            verify_for_serving(directory, args.model)
+        except LifecycleError as e:
+            raise ServeError(f"--lora-modules: {name}={directory}: {e}") from None
         modules[name] = directory
     if modules and max_loras(args) == 0:
         raise ServeError("--lora-modules: adapters need --max-loras of at least 1")

@@ -95,7 +95,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- app
 def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool = True,
               client: EngineClient | None = None, admin_key: str | None = None,
-              lora_modules: dict[str, str] | None = None) -> FastAPI:
+              lora_modules: dict[str, str] | None = None, model_dir: str | None = None) -> FastAPI:
     """The FastAPI app over an already loaded engine: in this process (the step thread starts with the app),
     or, with ``client``, the engine-core process that client drives and ``engine`` views. ``lora_modules``:
     adapters (name -> directory) loaded before the server is ready; ``admin_key`` turns on the routes that
@@ -104,7 +104,7 @@ def build_app(engine: LLMEngine | EngineView, model_name: str, *, warmup: bool =
     if client is None:
         client = ThreadEngineClient(engine, metrics)
     client.metrics = metrics
-    state = ServerState(engine, client, metrics, model_name, admin_key=admin_key)
+    state = ServerState(engine, client, metrics, model_name, admin_key=admin_key, model_dir=model_dir)
     app = FastAPI(title="llm-lifecycle engine", version="1", lifespan=_lifespan(state, warmup, lora_modules or {}),
                   description="OpenAI-compatible completions and chat over the continuous-batching engine.")
     app.state.serving = state

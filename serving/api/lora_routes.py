@@ -9,12 +9,15 @@ is an operator's act, like the gateway's admin routes; without ``--admin-key-fil
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 
+from artifacts.adapter_bundle import verify_for_serving
+from artifacts.errors import BundleError
 from serving.api.errors import APIError, engine_api_error
 from serving.api.request_parsing import read_json_body
 from serving.api.server_state import ServerState
@@ -49,7 +52,11 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
         if name == state.model_name:
             raise APIError(400, f"lora_name: {name!r} is the base model's name", param="lora_name")
         try:
+            if state.model_dir is not None:  # an adapter bundle must name the served snapshot as its base
+                await asyncio.to_thread(verify_for_serving, path, state.model_dir)
             await state.engine_client.load_lora(name, path)
+        except BundleError as e:
+            raise APIError(400, f"lora_path: {path}: {e}", param="lora_path") from e
         except EngineError as e:
             raise engine_api_error(e) from e
         log.info("LoRA adapter %s loaded from %s", name, path)

@@ -96,10 +96,11 @@ def run_server(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
             verify_if_bundle(path)
         client = ProcessEngineClient(path, config, log_level)
         engine = EngineView.load(path, client)
-        app = build_app(engine, name, client=client, admin_key=admin_key, lora_modules=lora_modules)
+        app = build_app(engine, name, client=client, admin_key=admin_key, lora_modules=lora_modules,
+                        model_dir=str(path))
     else:
         engine = load_engine(path, config, verify=verify)
-        app = build_app(engine, name, admin_key=admin_key, lora_modules=lora_modules)
+        app = build_app(engine, name, admin_key=admin_key, lora_modules=lora_modules, model_dir=str(path))
     _log_sampling_defaults(path, engine.sampling_defaults)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config,
                                access_log=False, timeout_graceful_shutdown=_FINAL_WRITE_S,

@@ -21,3 +21,4 @@ class ServerState:
     model_name: str
     ready: bool = False
     admin_key: str | None = None  # the operator's key for the adapter routes (None: those routes are off)
+    model_dir: str | None = None  # what is served (an adapter bundle loaded later must name it as its base)
