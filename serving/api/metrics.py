@@ -66,11 +66,12 @@ class _EngineCollector:
                     s.spec_acceptance_rate)
         yield gauge("vllm:spec_decode_draft_cost_ratio", "A draft model's pass over a target step, as "
                     "measured (0 without a draft model or before a measurement).", s.spec_draft_cost_ratio)
-        if s.max_loras:  # vLLM's shape: the adapters in labels, the scrape time as the value
-            info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting requests use.",
-                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-            info.add_metric([str(s.max_loras), ",".join(s.lora_running), ",".join(s.lora_waiting)], time.time())
-            yield info
+        # vLLM's shape: the adapters in labels, the scrape time as the value (max_lora "0": adapters are off)
+        info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting requests use.",
+                                 labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([self.model_name, str(s.max_loras), ",".join(s.lora_running), ",".join(s.lora_waiting)],
+                        time.time())
+        yield info
 
 
 class ServerMetrics:

@@ -120,7 +120,8 @@ def test_an_adapter_loaded_while_a_stream_runs_leaves_the_stream_whole(server, t
     assert streamed[:MAX_TOKENS] == peft_greedy(tiny_model_dir, adapters["support"], [PROMPT])[0]
     assert token_ids(complete(server, "sales", ids)) == peft_greedy(tiny_model_dir, adapters["sales"], [PROMPT])[0]
     metrics = httpx.get(f"{server}/metrics").text
-    assert 'vllm:lora_requests_info{max_lora="2"' in metrics
+    assert 'vllm:lora_requests_info{max_lora="2",model_name="base"' in metrics or \
+        'vllm:lora_requests_info{model_name="base",max_lora="2"' in metrics
     # unloaded: new requests for it are refused, the others go on
     assert admin(server, "unload_lora_adapter", {"lora_name": "sales"}).status_code == 200
     assert complete(server, "sales", ids).status_code == 404
