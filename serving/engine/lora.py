@@ -209,9 +209,12 @@ class LoraSlots:
 
 @dataclass
 class LoraBatch:
-    """Which rows of a step each resident adapter serves: (slot, row indices), rows of the base left out."""
+    """Which rows of a step each resident adapter serves, rows of the base left out: per adapter either one
+    run of rows (``start, stop``: the scheduler puts an adapter's requests side by side, so this is the usual
+    case, read and written as slices) or, where they are apart, their indices (gathered and scattered)."""
 
-    groups: list[tuple[int, torch.Tensor]]
+    runs: list[tuple[int, int, int]]  # (slot, start, stop)
+    scattered: list[tuple[int, torch.Tensor]]  # (slot, row indices)
 
     @classmethod
     def from_row_slots(cls, row_slots: list[int], device: torch.device) -> LoraBatch | None:
@@ -222,13 +225,20 @@ class LoraBatch:
                 by_slot.setdefault(slot, []).append(row)
         if not by_slot:
             return None
-        return cls([(slot, torch.tensor(rows, dtype=torch.long, device=device)) for slot, rows in by_slot.items()])
+        runs, scattered = [], []
+        for slot, rows in by_slot.items():
+            if rows[-1] - rows[0] + 1 == len(rows):
+                runs.append((slot, rows[0], rows[-1] + 1))
+            else:
+                scattered.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
+        return cls(runs, scattered)
 
     def add(self, out: torch.Tensor, x: torch.Tensor, shrink: torch.Tensor, expand: torch.Tensor) -> None:
         """``out[rows] += expand[slot] @ (shrink[slot] @ x[rows])`` for each adapter's rows (in place)."""
-        for slot, rows in self.groups:
-            xs = x.index_select(0, rows)
-            delta = (xs @ shrink[slot].T) @ expand[slot].T
+        for slot, start, stop in self.runs:
+            out[start:stop].add_((x[start:stop] @ shrink[slot].T) @ expand[slot].T)
+        for slot, rows in self.scattered:
+            delta = (x.index_select(0, rows) @ shrink[slot].T) @ expand[slot].T
             out.index_add_(0, rows, delta.to(out.dtype))
 
 

@@ -121,6 +121,10 @@ class Scheduler:
         if drafted:
             fit_drafts(drafted, out.scheduled)
             out.drafted = drafted
+        if self.lora is not None and len(out.scheduled) > 1:
+            # each adapter's rows side by side (one slice per adapter in the LoRA step, no gather); one-token
+            # items stay first, where the runner takes its decodes from
+            out.scheduled.sort(key=lambda item: (item.num_tokens != 1, item.seq.lora_slot))
         return out
 
     def _plan(self) -> SchedulerOutput:

@@ -158,3 +158,24 @@ def test_an_unloaded_adapter_lets_accepted_requests_finish(tiny_model_dir, adapt
                 done[out.request_id] = out.outputs[0].token_ids
     assert done["kept"] == peft_greedy(tiny_model_dir, adapters["attn"], PROMPTS[:1])[0]
     assert not eng.runner.lora.resident  # its slot is free again
+
+
+def test_a_lora_step_adds_each_rows_own_adapter_whether_its_rows_are_together_or_apart():
+    """Rows of one adapter side by side are read as a slice, rows apart are gathered: both add, to each row,
+    its own adapter's B·A·x (checked row by row against the plain product), and nothing to the base's rows."""
+    from serving.engine.lora import LoraBatch
+
+    gen = torch.Generator().manual_seed(0)
+    shrink, expand = torch.randn(3, 4, 8, generator=gen), torch.randn(3, 6, 4, generator=gen)
+    row_slots = [-1, 2, 2, 0, -1, 1, 0, 2]  # slot 2: rows 1-2 and 7 (apart); slot 0: 3 and 6; slot 1: 5
+    x, base = torch.randn(len(row_slots), 8, generator=gen), torch.randn(len(row_slots), 6, generator=gen)
+    batch = LoraBatch.from_row_slots(row_slots, torch.device("cpu"))
+    contiguous = LoraBatch.from_row_slots([-1, 1, 1, 0, 0, 2], torch.device("cpu"))
+    assert not contiguous.scattered and len(contiguous.runs) == 3
+    assert batch.runs == [(1, 5, 6)] and {slot for slot, _ in batch.scattered} == {0, 2}
+    out = base.clone()
+    batch.add(out, x, shrink, expand)
+    for row, slot in enumerate(row_slots):
+        want = base[row] if slot < 0 else base[row] + expand[slot] @ (shrink[slot] @ x[row])
+        assert torch.allclose(out[row], want, atol=1e-5), row
+    assert LoraBatch.from_row_slots([-1, -1], torch.device("cpu")) is None
