@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from artifacts.adapter_bundle import (
     ADAPTER_MANIFEST,
@@ -27,15 +26,11 @@ from artifacts.errors import BundleError, BundleVerificationError
 from artifacts.manifest import Lineage, manifest_digest
 from artifacts.writer import BundleConfig, write_bundle
 from tests.artifacts.conftest import build_tiny_llama
+from tests.lora_support import make_adapter
 
 
-def peft_adapter(base_dir: Path, out: Path, rank: int = 4, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
-    get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=list(targets))).save_pretrained(out)
-    return out
+def peft_adapter(base_dir: Path, out: Path) -> Path:
+    return make_adapter(base_dir, out, rank=4, targets=("q_proj", "v_proj"), seed=0, alpha=8, scale=0.0)
 
 
 @pytest.fixture(scope="module")

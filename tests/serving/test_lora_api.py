@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from artifacts.common.net import free_port
+from tests.lora_support import make_adapter
 from tests.serving.fleet_support import Process, wait_ready
-from tests.serving.test_lora_engine import MAX_TOKENS, make_adapter, peft_greedy
+from tests.serving.test_lora_engine import MAX_TOKENS, peft_greedy
 
 ADMIN_KEY = "test-admin-key-0123456789"
 PROMPT = "the cat sat on"

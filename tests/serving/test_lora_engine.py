@@ -17,27 +17,11 @@ import torch
 
 from serving.engine import EngineConfig, LoraError, SamplingParams, UnknownAdapterError
 from serving.engine.engine import LLMEngine
+from tests.lora_support import make_adapter
 from tests.serving.conftest import build_tiny_model
 
 PROMPTS = ["the cat sat on", "a small model", "the cat sat on", "numbers and words"]
 MAX_TOKENS = 12
-
-
-def make_adapter(base_dir: Path, out: Path, *, rank: int, targets: list[str], seed: int,
-                 rslora: bool = False) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0,
-                                            use_rslora=rslora))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    peft.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -13,24 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.lora_support import make_adapter
 from training.adapter_stack import stack_adapters
 from training.merge import merge_adapter
 from training.stage_config import TrainingError
-
-
-def _adapter(model_dir: Path, out: Path, *, rank: int, targets: list[str], seed: int, rslora: bool = False) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=3 * rank, target_modules=targets, use_rslora=rslora))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-    peft.save_pretrained(out)
-    return out
 
 
 def _logits(model_dir: Path, adapter: Path | None, ids: torch.Tensor) -> torch.Tensor:
@@ -46,10 +32,11 @@ def _logits(model_dir: Path, adapter: Path | None, ids: torch.Tensor) -> torch.T
 
 def test_stacked_adapters_on_the_base_equal_the_merged_chain(micro_base_dir, tmp_path):
     base = Path(micro_base_dir)
-    sft = _adapter(base, tmp_path / "sft-adapter", rank=4, targets=["q_proj", "v_proj", "down_proj"], seed=1)
+    sft = make_adapter(base, tmp_path / "sft-adapter", rank=4, targets=["q_proj", "v_proj", "down_proj"], seed=1,
+                       alpha=12, scale=0.2)
     merged_sft = merge_adapter(sft, base, tmp_path / "sft")
-    dpo = _adapter(merged_sft, tmp_path / "dpo-adapter", rank=2, targets=["q_proj", "o_proj", "up_proj"], seed=2,
-                   rslora=True)
+    dpo = make_adapter(merged_sft, tmp_path / "dpo-adapter", rank=2, targets=["q_proj", "o_proj", "up_proj"], seed=2,
+                       rslora=True, alpha=6, scale=0.2)
     merged_dpo = merge_adapter(dpo, merged_sft, tmp_path / "dpo")
     stacked = stack_adapters([sft, dpo], tmp_path / "stacked")
     config = json.loads((stacked / "adapter_config.json").read_text())
