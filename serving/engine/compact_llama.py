@@ -238,9 +238,16 @@ class CompactLlama:
         return layout, {"qkv": self.hidden, "o": self.q_size, "gate_up": self.hidden, "down": inter}
 
     def _lora(self, i: int, fused: str, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out`` plus, for the rows of an adapter, that adapter's B·A·x (in place); the base path untouched."""
         batch = self.lora_batch
-        if batch is not None:
-            batch.add(out, x, self.lora_slots.shrink[i][fused], self.lora_slots.expand[i][fused])
+        if batch is None:
+            return out
+        slots = self.lora_slots
+        shrink, expand = slots.shrink[i][fused], slots.expand[i][fused]
+        if self.kernels is not None and out.dtype == torch.float32:  # one C++ call for every adapter's rows
+            self.kernels.lora_add(out, x, shrink, expand, batch.row_slots, slots.parts[fused], slots.max_rank)
+        else:
+            batch.add(out, x, shrink, expand)
         return out
 
     @property

@@ -27,6 +27,9 @@ reproduces the step timings): the whole decode step at 64 sequences with context
 (30.3 ms with the attention kernel alone), 4.4 to 3.7 ms at one sequence; residual add + RMSNorm at hidden 512
 from 36-60 to 5 µs at 64 rows; rotary of q and k per layer from 57 to 5.4 µs at 64 rows.
 
+``lora_add``: the LoRA step of one fused projection for every row of a step in one call (``csrc/lora.cpp``; the
+adapters' shrink and expand per row, reading only each part's own block of the block-diagonal B).
+
 ``tiled_pack`` / ``tiled_linear``: the fp32 projections' GEMM on CPUs where it beats the libraries
 (``linear_backend`` chooses; ``csrc/tiled_gemm.cpp`` describes the layout and the two paths, one row and many).
 
@@ -54,7 +57,7 @@ PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # head sizes paged_prefill is compiled fo
 # the extension: one translation unit, and the files it includes (their bytes go into the build cache key)
 SOURCE = cpp_build.CSRC / "cpu_kernels.cpp"
 INCLUDES = tuple(cpp_build.CSRC / f for f in ("paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp",
-                                              "tiled_gemm.cpp", "cpu_kernels.h", "vec16.h"))
+                                              "tiled_gemm.cpp", "lora.cpp", "cpu_kernels.h", "vec16.h"))
 
 _kernels: ModuleType | None = None
 _tried = False
@@ -64,8 +67,8 @@ def load() -> ModuleType | None:
     """The compiled module, or None: ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
     out)``, ``paged_prefill(q, k_cache, v_cache, block_tables, row_starts, first_pos, scale, out)``,
     ``add_rms_norm(h, delta_or_None, weight, eps, out)``, ``rope(qkv, positions, cos, sin, nq, nk,
-    q_out, k_out)``, ``silu_mul(gu, out)``, ``tiled_pack(w)``, ``tiled_linear(x, tiles, out)`` and
-    ``tiled_gemm_available()``."""
+    q_out, k_out)``, ``silu_mul(gu, out)``, ``tiled_pack(w)``, ``tiled_linear(x, tiles, out)``,
+    ``tiled_gemm_available()`` and ``lora_add(out, x, A, B, row_slots, parts, rank)``."""
     global _kernels, _tried
     if not _tried:
         _tried = True

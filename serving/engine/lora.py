@@ -10,8 +10,9 @@ stacked per *fused* projection, one slot per resident adapter:
 
 - shrink ``A``: ``[slots, parts · R, in]``, the parts' A matrices one under the other (R = ``max_rank``; a
   smaller rank is zero-padded, an untargeted part is all zero);
-- expand ``B``: ``[slots, out, parts · R]``, block-diagonal: part j's rows of the output read only part j's
-  ranks; the adapter's scaling (``lora_alpha / r``, or ``/ √r`` with rsLoRA) is folded in when it is written.
+- expand ``B``, stored transposed: ``[slots, parts · R, out]``, block-diagonal: part j's outputs read only part
+  j's ranks; the adapter's scaling (``lora_alpha / r``, or ``/ √r`` with rsLoRA) is folded in when it is written.
+  Transposed, because the C++ kernel (``csrc/lora.cpp``) expands a row as R multiply-adds over contiguous outputs.
 
 A step groups its rows by slot (``LoraBatch``) and runs, per projection and per adapter in the batch, one
 gather, two small matmuls and one ``index_add_``: the segmented gather-matmul of Punica and S-LoRA, in torch.
@@ -177,12 +178,19 @@ class LoraSlots:
                  max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         """``layout``: fused projection -> the output size of each of its parts (q, k, v for "qkv")."""
         self.layout, self.max_rank, self.max_loras = layout, max_rank, max_loras
+        # per fused projection, each part's (output offset, output size, first rank column): what the C++ kernel
+        # reads of the block-diagonal expand
+        self.parts: dict[str, torch.Tensor] = {}
+        for fused, outs in layout.items():
+            starts = [sum(outs[:j]) for j in range(len(outs))]
+            self.parts[fused] = torch.tensor([[start, out, j * max_rank] for j, (start, out)
+                                              in enumerate(zip(starts, outs, strict=True))], dtype=torch.long)
         self.shrink: list[dict[str, torch.Tensor]] = []
         self.expand: list[dict[str, torch.Tensor]] = []
         for _ in range(num_layers):
             self.shrink.append({p: torch.zeros(max_loras, len(outs) * max_rank, in_features[p], dtype=dtype,
                                                device=device) for p, outs in layout.items()})
-            self.expand.append({p: torch.zeros(max_loras, sum(outs), len(outs) * max_rank, dtype=dtype,
+            self.expand.append({p: torch.zeros(max_loras, len(outs) * max_rank, sum(outs), dtype=dtype,
                                                device=device) for p, outs in layout.items()})
 
     @property
@@ -203,7 +211,7 @@ class LoraSlots:
                     if pair is not None:
                         a, b = pair
                         shrink[j * R:j * R + r].copy_(a)
-                        expand[row:row + out, j * R:j * R + r].copy_(b * adapter.scaling)
+                        expand[j * R:j * R + r, row:row + out].copy_((b * adapter.scaling).T)
                     row += out
 
 
@@ -215,6 +223,7 @@ class LoraBatch:
 
     runs: list[tuple[int, int, int]]  # (slot, start, stop)
     scattered: list[tuple[int, torch.Tensor]]  # (slot, row indices)
+    row_slots: torch.Tensor | None = None  # int64 [T], -1 for the base's rows: what the C++ kernel reads
 
     @classmethod
     def from_row_slots(cls, row_slots: list[int], device: torch.device) -> LoraBatch | None:
@@ -231,14 +240,15 @@ class LoraBatch:
                 runs.append((slot, rows[0], rows[-1] + 1))
             else:
                 scattered.append((slot, torch.tensor(rows, dtype=torch.long, device=device)))
-        return cls(runs, scattered)
+        return cls(runs, scattered, torch.tensor(row_slots, dtype=torch.long))
 
     def add(self, out: torch.Tensor, x: torch.Tensor, shrink: torch.Tensor, expand: torch.Tensor) -> None:
-        """``out[rows] += expand[slot] @ (shrink[slot] @ x[rows])`` for each adapter's rows (in place)."""
+        """``out[rows] += (x[rows] @ shrinkᵀ) @ expandᵀ`` of each adapter's slot, for its rows (in place; expandᵀ
+        is what ``expand`` holds)."""
         for slot, start, stop in self.runs:
-            out[start:stop].add_((x[start:stop] @ shrink[slot].T) @ expand[slot].T)
+            out[start:stop].add_((x[start:stop] @ shrink[slot].T) @ expand[slot])
         for slot, rows in self.scattered:
-            delta = (x.index_select(0, rows) @ shrink[slot].T) @ expand[slot].T
+            delta = (x.index_select(0, rows) @ shrink[slot].T) @ expand[slot]
             out.index_add_(0, rows, delta.to(out.dtype))
 
 

@@ -150,7 +150,7 @@ def test_a_lora_step_adds_each_rows_own_adapter_whether_its_rows_are_together_or
     from serving.engine.lora import LoraBatch
 
     gen = torch.Generator().manual_seed(0)
-    shrink, expand = torch.randn(3, 4, 8, generator=gen), torch.randn(3, 6, 4, generator=gen)
+    shrink, expand = torch.randn(3, 4, 8, generator=gen), torch.randn(3, 4, 6, generator=gen)  # expand: Bᵀ
     row_slots = [-1, 2, 2, 0, -1, 1, 0, 2]  # slot 2: rows 1-2 and 7 (apart); slot 0: 3 and 6; slot 1: 5
     x, base = torch.randn(len(row_slots), 8, generator=gen), torch.randn(len(row_slots), 6, generator=gen)
     batch = LoraBatch.from_row_slots(row_slots, torch.device("cpu"))
@@ -160,6 +160,33 @@ def test_a_lora_step_adds_each_rows_own_adapter_whether_its_rows_are_together_or
     out = base.clone()
     batch.add(out, x, shrink, expand)
     for row, slot in enumerate(row_slots):
-        want = base[row] if slot < 0 else base[row] + expand[slot] @ (shrink[slot] @ x[row])
+        want = base[row] if slot < 0 else base[row] + expand[slot].T @ (shrink[slot] @ x[row])
         assert torch.allclose(out[row], want, atol=1e-5), row
     assert LoraBatch.from_row_slots([-1, -1], torch.device("cpu")) is None
+
+
+def test_the_cpu_kernel_adds_what_the_torch_path_adds():
+    """``lora_add`` (csrc/lora.cpp) against ``LoraBatch.add`` on a fused projection of three parts (q, k, v),
+    with an adapter of rank below the slots' and rows of three adapters and the base mixed."""
+    from serving.engine import cpu_kernels
+    from serving.engine.lora import LoraBatch, LoraSlots
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("the C++ kernels are not built here (no compiler); the engine uses the torch path")
+    gen = torch.Generator().manual_seed(1)
+    slots = LoraSlots({"qkv": [32, 16, 16]}, {"qkv": 48}, num_layers=1, max_loras=3, max_rank=8,
+                      dtype=torch.float32, device=torch.device("cpu"))
+    shrink, expand = slots.shrink[0]["qkv"], slots.expand[0]["qkv"]
+    shrink.copy_(torch.randn(shrink.shape, generator=gen))
+    for s in range(3):  # block-diagonal B, as LoraSlots.write lays it out
+        for j, (start, out) in enumerate(((0, 32), (32, 16), (48, 16))):
+            expand[s, j * 8:j * 8 + 8, start:start + out] = torch.randn(8, out, generator=gen)
+    row_slots = [0, 0, -1, 2, 1, 1, 2, -1, 0]
+    x, base = torch.randn(len(row_slots), 48, generator=gen), torch.randn(len(row_slots), 64, generator=gen)
+    batch = LoraBatch.from_row_slots(row_slots, torch.device("cpu"))
+    with_torch, with_kernel = base.clone(), base.clone()
+    batch.add(with_torch, x, shrink, expand)
+    kernels.lora_add(with_kernel, x, shrink, expand, batch.row_slots, slots.parts["qkv"], slots.max_rank)
+    assert torch.allclose(with_kernel, with_torch, atol=1e-4)
+    assert torch.equal(with_kernel[2], base[2]) and not torch.allclose(with_kernel[0], base[0])

@@ -11,6 +11,7 @@
 #include "paged_decode.cpp"
 #include "paged_prefill.cpp"
 #include "tiled_gemm.cpp"
+#include "lora.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
@@ -21,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_gemm_available", &tiled_gemm_available, "tiled_gemm_available");
   m.def("tiled_pack", torch::wrap_pybind_function(tiled_pack), "tiled_pack");
   m.def("tiled_linear", torch::wrap_pybind_function(tiled_linear), "tiled_linear");
+  m.def("lora_add", torch::wrap_pybind_function(lora_add), "lora_add");
 }

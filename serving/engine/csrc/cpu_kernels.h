@@ -17,3 +17,5 @@ void rope(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::
 bool tiled_gemm_available();
 torch::Tensor tiled_pack(torch::Tensor w);
 void tiled_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor out);
+void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor A, torch::Tensor B, torch::Tensor row_slots,
+              torch::Tensor parts, int64_t rank);
