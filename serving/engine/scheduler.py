@@ -7,7 +7,9 @@
 3. waiting sequences, best priority then oldest first, while the budget, ``max_num_seqs`` and the
    free blocks allow (their cached prefix blocks are attached first and cost no compute).
 When a running sequence needs a block and none is free, the newest running sequence is preempted by
-recompute: its blocks are freed and it goes back to the head of the queue, keeping its tokens.
+recompute: its blocks are freed and it goes back to the head of the queue, keeping its tokens. A request on a LoRA
+adapter is admitted only while its adapter can be resident (``lora.LoraManager``): it holds the adapter's slot while
+it runs, and the plan puts each adapter's rows side by side.
 The result is a plain plan (``SchedulerOutput``) that the executor runs.
 
 ``update_from_output()`` applies the step's ``ModelOutput``, as in vLLM v1: tokens appended, guesses kept or
@@ -21,16 +23,19 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
-from serving.engine.lora import LoraManager
 from serving.engine.outputs import EngineStats, LogprobRecord, ModelOutput, RequestOutput, request_output
 from serving.engine.scheduled_seq import ScheduledSeq
 from serving.engine.sequence import Sequence, SequenceStatus
 from serving.engine.spec_commit import Speculator, drop_drafts, fit_drafts
 from serving.engine.speculative import Proposer
 from serving.engine.stop_rules import stopped_after
+
+if TYPE_CHECKING:
+    from serving.engine.lora import LoraManager
 
 log = logging.getLogger(__name__)
 
