@@ -53,6 +53,8 @@ def lifecycle_cases(tmp: Path) -> dict[tuple[str, ...], Case]:
         ("ui",): Case(["--recipe", f"{nope}.yaml"], "no such config file"),
         ("bundle", "verify"): Case([nope], "not a directory"),
         ("bundle", "write"): Case([nope, str(tmp / "out"), "--name", "x"], "not a directory"),
+        ("bundle", "write-adapter"): Case([nope, str(tmp / "adapter-out"), "--base", nope, "--name", "x"],
+                                          "not a directory"),
         ("bundle", "register"): Case([nope, "--model-name", "x", "--tracking-uri", f"file:{tmp / 'mlruns'}"],
                                      "not a directory"),
         ("bundle", "resolve"): Case(["not-a-uri", "--dest", str(tmp / "dest")], "not-a-uri"),
