@@ -169,7 +169,8 @@ class Scheduler:
         if out.preempted:
             return out  # blocks are short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            admissible = [s for s in self.waiting if s.lora is None or self.lora.can_hold(s.lora)]
+            admissible = self.waiting if self.lora is None else \
+                [s for s in self.waiting if s.lora is None or self.lora.can_hold(s.lora)]
             if not admissible:
                 break  # every waiting request's adapter needs a slot that running requests hold
             seq = min(admissible, key=lambda s: (s.priority, s.arrival_time))
