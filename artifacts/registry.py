@@ -20,7 +20,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from artifacts.adapter_bundle import ADAPTER_MANIFEST, is_adapter_bundle, verify_adapter_bundle
 from artifacts.common.workdir import sqlite_artifact_root
+from artifacts.digests import sha256_file
 from artifacts.errors import BundleVerificationError, RegistryError
 from artifacts.manifest import MANIFEST_FILE, Manifest, manifest_digest
 from artifacts.verify import verify_bundle
@@ -45,7 +47,7 @@ class ModelVersionRef:
         return f"models:/{self.name}/{self.version}"
 
 
-def _client(tracking_uri: str | None):
+def mlflow_client(tracking_uri: str | None):
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.tracking import MlflowClient
 
@@ -99,12 +101,24 @@ def register_bundle(
 
     Logs into the active MLflow run when there is one (and `tracking_uri` is not given); otherwise opens
     and closes a run of its own in the `bundles` experiment."""
-    from mlflow.exceptions import MlflowException
-
     bundle_dir = Path(bundle_dir)
     manifest = verify_bundle(bundle_dir)
     digest = manifest_digest(bundle_dir)
-    client = _client(tracking_uri)
+    return log_model_version(
+        bundle_dir, [MANIFEST_FILE] + [entry.path for entry in manifest.files], model_name,
+        run_name=f"bundle-{manifest.name}-{manifest.version}", digest=digest, tags=_tags(manifest, digest),
+        description=_description(manifest, digest, description), model_description=f"Bundles of {manifest.name}",
+        aliases=aliases, tracking_uri=tracking_uri)
+
+
+def log_model_version(bundle_dir: Path, files: list[str], model_name: str, *, run_name: str, digest: str,
+                      tags: dict[str, str], description: str, model_description: str,
+                      aliases: Iterable[str] = (), tracking_uri: str | None = None) -> ModelVersionRef:
+    """Log ``files`` of a verified bundle as a run's artifacts and create a version of ``model_name`` from them
+    (a snapshot bundle or an adapter bundle alike; ``tags`` must hold the digest the download is checked by)."""
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow_client(tracking_uri)
     try:
         import mlflow
 
@@ -116,12 +130,11 @@ def register_bundle(
             experiment_id = experiment.experiment_id if experiment else client.create_experiment(
                 EXPERIMENT_NAME, artifact_location=sqlite_artifact_root(tracking_uri or mlflow.get_tracking_uri(),
                                                                         EXPERIMENT_NAME))
-            run = client.create_run(experiment_id, run_name=f"bundle-{manifest.name}-{manifest.version}",
-                                    tags={TAG_DIGEST: digest})
+            run = client.create_run(experiment_id, run_name=run_name, tags={TAG_DIGEST: digest})
             run_id, own_run = run.info.run_id, True
         artifact_path = BUNDLE_ARTIFACT_PATH if own_run else f"{BUNDLE_ARTIFACT_PATH}-{digest[:12]}"
-        # Only the snapshot travels (manifest + the files it lists); an eval record beside it does not.
-        for rel in [MANIFEST_FILE] + [entry.path for entry in manifest.files]:
+        # Only the snapshot travels (its manifest + the files it lists); an eval record beside it does not.
+        for rel in files:
             parent = Path(rel).parent.as_posix()
             client.log_artifact(run_id, str(bundle_dir / rel),
                                 artifact_path=artifact_path if parent == "." else f"{artifact_path}/{parent}")
@@ -131,11 +144,9 @@ def register_bundle(
         try:
             client.get_registered_model(model_name)
         except MlflowException:
-            client.create_registered_model(model_name, description=f"Bundles of {manifest.name}")
-        version = client.create_model_version(
-            model_name, source=source, run_id=run_id, tags=_tags(manifest, digest),
-            description=_description(manifest, digest, description),
-        )
+            client.create_registered_model(model_name, description=model_description)
+        version = client.create_model_version(model_name, source=source, run_id=run_id, tags=tags,
+                                              description=description)
         alias_list = list(aliases)
         for alias in alias_list:
             client.set_registered_model_alias(model_name, alias, version.version)
@@ -148,7 +159,7 @@ def set_alias(model_name: str, alias: str, version: str | int, tracking_uri: str
     from mlflow.exceptions import MlflowException
 
     try:
-        _client(tracking_uri).set_registered_model_alias(model_name, alias, str(version))
+        mlflow_client(tracking_uri).set_registered_model_alias(model_name, alias, str(version))
     except MlflowException as exc:
         raise RegistryError(f"{model_name}@{alias}: cannot point at version {version} ({exc.message})") from exc
 
@@ -161,7 +172,7 @@ def get_version(uri: str, tracking_uri: str | None = None) -> ModelVersionRef:
     if not match:
         raise RegistryError(f"{uri}: not a models:/name@alias or models:/name/version URI")
     name, alias, number = match.group("name"), match.group("alias"), match.group("version")
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     try:
         mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, number)
     except MlflowException as exc:
@@ -178,7 +189,7 @@ def find_version_by_digest(bundle_dir: str | Path, model_name: str,
     from mlflow.exceptions import MlflowException
 
     digest = manifest_digest(bundle_dir)
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     try:
         versions = client.search_model_versions(f"name = '{model_name}'")
     except MlflowException:
@@ -197,7 +208,7 @@ def resolve_bundle(uri: str | Path, dest_root: str | Path, tracking_uri: str | N
     text = str(uri)
     if not text.startswith("models:/"):
         path = Path(text)
-        verify_bundle(path, tp_degree)
+        _verify_local(path, tp_degree)
         return path
     ref = get_version(text, tracking_uri)
     dest = Path(dest_root) / ref.name / f"v{ref.version}-{ref.manifest_digest[:12]}"
@@ -229,9 +240,22 @@ def resolve_bundle(uri: str | Path, dest_root: str | Path, tracking_uri: str | N
     return dest
 
 
+def _verify_local(path: Path, tp_degree: int | None) -> None:
+    """A snapshot bundle, or an adapter bundle (verified on its own; against its base where it is served)."""
+    if is_adapter_bundle(path):
+        verify_adapter_bundle(path)
+    else:
+        verify_bundle(path, tp_degree)
+
+
+def bundle_digest(path: Path) -> str:
+    """The identity a version is tagged with: the sha256 of its manifest (an adapter bundle's own manifest)."""
+    return sha256_file(path / ADAPTER_MANIFEST) if is_adapter_bundle(path) else manifest_digest(path)
+
+
 def _verify_downloaded(path: Path, ref: ModelVersionRef, tp_degree: int | None) -> None:
-    verify_bundle(path, tp_degree)
-    digest = manifest_digest(path)
+    _verify_local(path, tp_degree)
+    digest = bundle_digest(path)
     if digest != ref.manifest_digest:
         raise RegistryError(f"models:/{ref.name}/{ref.version}: downloaded manifest {digest[:12]} is not the "
                             f"registered {ref.manifest_digest[:12]}")

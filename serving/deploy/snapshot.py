@@ -88,7 +88,8 @@ def _resolve(args: argparse.Namespace, source: str, tracking_uri: str) -> tuple[
 # serve flags the fleet sets itself on every replica: the rest of what `deploy snapshot` was given goes on to
 # the snapshot's replica (see replica_serve_flags)
 _FLEET_OWNED = frozenset({"model", "host", "port", "served_model_name", "kv_memory", "threads", "log_level"})
-_PATH_VALUED = frozenset({"speculative_model"})
+_PATH_VALUED = frozenset({"speculative_model", "admin_key_file"})
+_NAMED_PATHS = frozenset({"lora_modules"})  # NAME=DIR items
 
 
 def replica_serve_flags(args: argparse.Namespace) -> list[str]:
@@ -108,10 +109,19 @@ def replica_serve_flags(args: argparse.Namespace) -> list[str]:
             flags.append(action.option_strings[0 if value else 1])
         elif action.nargs == 0:  # store_true
             flags.append(action.option_strings[0])
+        elif isinstance(value, list):  # nargs="+": one flag, each item after it
+            items = [_absolute_named_path(v) if action.dest in _NAMED_PATHS else str(v) for v in value]
+            flags += [action.option_strings[0], *items]
         else:
             text = str(Path(value).resolve()) if action.dest in _PATH_VALUED else str(value)
             flags += [action.option_strings[0], text]
     return flags
+
+
+def _absolute_named_path(item: str) -> str:
+    """``NAME=DIR`` with DIR made absolute; an item without ``=`` goes on as given (serve names its fault)."""
+    name, sep, directory = item.partition("=")
+    return f"{name}={Path(directory).resolve()}" if sep else item
 
 
 def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version: str, tracking_uri: str) -> int:

@@ -1,5 +1,5 @@
-"""`deploy status`: what the fleet serves (variants, versions, replicas, traffic shares) and where the rollout
-stands (phase, the last analysis's gates, waivers, the latest decisions), as tables or as JSON."""
+"""`deploy status`: what the fleet serves (variants, versions, replicas, traffic shares; each adapter's lane) and
+where the rollout stands (phase, the last analysis's gates, waivers, the latest decisions), as tables or as JSON."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def deploy_status(args: argparse.Namespace) -> int:
     status = {"model": record.model_name, "gateway": record.gateway_url if routing else None,
               "other_gateways": record.other_gateways,
               "backend": record.backend + (f" at {record.ray_address}" if record.backend == "ray" else ""),
-              "variants": _variants(routing), "rollout": _rollout_summary(state, pid_alive(record.controller_pid))}
+              "variants": _variants(routing), "adapters": adapter_rows(routing),
+              "rollout": _rollout_summary(state, pid_alive(record.controller_pid))}
     if args.json:
         print(json.dumps(status, indent=2, default=str))
         return 0
@@ -58,6 +59,26 @@ def _variants(routing: dict | None) -> list[dict]:
         rows.append({"variant": name, "version": variant["version"], "replicas": len(variant["replicas"]),
                      "healthy": healthy, "weight": weight,
                      "mirrored": routing["shadow_fraction"] if name == "shadow" else None})
+    return rows
+
+
+def adapter_rows(routing: dict | None) -> list[dict]:
+    """One row per adapter lane: the adapter version each variant serves inside the champion's replicas, with
+    the canary's share of the adapter's conversations and the share mirrored to its shadow."""
+    rows = []
+    for public, lane in sorted(((routing or {}).get("lanes") or {}).items()):
+        canary_on = bool(lane["canary"]["served_model"])
+        baseline_on = canary_on and bool(lane["baseline"]["served_model"])
+        canary_weight = lane["canary_weight"] if canary_on else 0.0
+        baseline_weight = min(canary_weight, 100 - canary_weight) if baseline_on else 0.0
+        weights = {"champion": 100 - canary_weight - baseline_weight, "canary": canary_weight,
+                   "baseline": baseline_weight, "shadow": None}
+        for name in ("champion", "canary", "baseline", "shadow"):
+            variant = lane[name]
+            if variant["served_model"]:
+                rows.append({"adapter": public, "variant": name, "version": variant["version"],
+                             "served_as": variant["served_model"], "weight": weights[name],
+                             "mirrored": lane["shadow_fraction"] if name == "shadow" else None})
     return rows
 
 
@@ -94,6 +115,14 @@ def _print_status(status: dict, state) -> None:
                                  else "")
         table.add_row(name, f"v{row['version']}", f"{row['replicas']} ({row['healthy']})", traffic)
     console.print(table)
+    if status["adapters"]:
+        adapters = Table(title="adapters, served inside the champion's replicas")
+        for column in ("adapter", "variant", "version", "served as", "traffic"):
+            adapters.add_column(column)
+        for row in status["adapters"]:
+            traffic = f"{row['weight']:g}%" if row["weight"] is not None else f"mirror {row['mirrored']:.0%}"
+            adapters.add_row(row["adapter"], row["variant"], f"v{row['version']}", row["served_as"], traffic)
+        console.print(adapters)
     rollout = status["rollout"]
     if rollout is None:
         console.print("no rollout yet")

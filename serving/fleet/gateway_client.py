@@ -1,4 +1,7 @@
-"""The controller's side of the gateway's admin API (and of its probe path)."""
+"""The controller's side of the gateway's admin API (and of its probe path).
+
+Scoped to a lane: the controller of an adapter's rollout drives that adapter's lane (its routing, its window,
+its probes, which name the adapter as their model), and never touches the base's routing."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import httpx
 
 from serving.fleet.errors import FleetError
 
+VARIANTS = ("champion", "canary", "shadow", "baseline")
+
 
 def read_secret(path: str | Path) -> str:
     try:
@@ -18,8 +23,9 @@ def read_secret(path: str | Path) -> str:
 
 
 class GatewayAdmin:
-    def __init__(self, url: str, admin_key: str, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, admin_key: str, timeout: float = 30.0, lane: str = "") -> None:
         self.url = url.rstrip("/")
+        self.lane = lane  # an adapter's public name: this client drives its lane; "" the base routing
         self.headers = {"authorization": f"Bearer {admin_key}"}
         self.client = httpx.Client(timeout=timeout, headers=self.headers)
 
@@ -42,6 +48,13 @@ class GatewayAdmin:
         return self._request("GET", "/admin/routing", "reading the routing")
 
     def set_routing(self, patch: dict[str, Any], actor: str) -> dict[str, Any]:
+        """Change the base routing, or this client's lane (whose variants have no replicas of their own: the
+        replica lists a rollout's transition names are the base's and are left out)."""
+        if self.lane:
+            patch = {k: ({f: x for f, x in v.items() if f != "replicas"} if isinstance(v, dict) and k in VARIANTS
+                         else v) for k, v in patch.items()}
+            return self._request("PUT", f"/admin/lanes/{self.lane}", f"changing the lane {self.lane}", json=patch,
+                                 headers={"x-lifecycle-actor": actor})
         return self._request("PUT", "/admin/routing", "changing the routing", json=patch,
                              headers={"x-lifecycle-actor": actor})
 
@@ -55,20 +68,24 @@ class GatewayAdmin:
                              headers={"x-lifecycle-actor": actor})
 
     def window(self, since: float, until: float | None = None, disagreements: int = 10) -> dict[str, Any]:
-        params: dict[str, Any] = {"since": since, "disagreements": disagreements}
+        params: dict[str, Any] = {"since": since, "disagreements": disagreements, "lane": self.lane}
         if until is not None:
             params["until"] = until
         return self._request("GET", "/admin/window", "reading the observation window", params=params)
 
     def healthy_replicas(self, variant: str) -> tuple[int, str]:
-        """How many replicas of a variant take traffic now, and the last error of one that does not."""
-        replicas = [r for r in self.routing()["replicas"] if r["variant"] == variant]
+        """How many replicas of a variant take traffic now, and the last error of one that does not (a lane's
+        variants are served by the champion's replicas)."""
+        pool = "champion" if self.lane else variant
+        replicas = [r for r in self.routing()["replicas"] if r["variant"] == pool]
         healthy = [r for r in replicas if r["healthy"]]
         errors = [r["last_error"] for r in replicas if not r["healthy"] and r["last_error"]]
         return len(healthy), (errors[0] if errors else "")
 
     def ask(self, variant: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
-        """One probe request, pinned to a variant and kept out of the traffic statistics."""
+        """One probe request, pinned to a variant (of this client's lane) and kept out of the traffic statistics."""
+        if self.lane:
+            body = {**body, "model": self.lane}
         return self.client.post(self.url + path, json=body, headers={"x-lifecycle-variant": variant,
                                                                       "x-lifecycle-probe": "1"})
 

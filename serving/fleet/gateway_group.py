@@ -25,10 +25,11 @@ _PAIR_MEANS = ("similarity", "length_ratio", "primary_ms", "shadow_ms")
 class GatewayGroup:
     """``GatewayAdmin``'s interface over one or more gateways."""
 
-    def __init__(self, urls: Sequence[str], admin_key: str, timeout: float = 30.0) -> None:
+    def __init__(self, urls: Sequence[str], admin_key: str, timeout: float = 30.0, lane: str = "") -> None:
         if not urls:
             raise FleetError("no gateway to drive (the fleet has no gateway URL)")
-        self.members = [GatewayAdmin(url, admin_key, timeout) for url in dict.fromkeys(urls)]
+        self.members = [GatewayAdmin(url, admin_key, timeout, lane) for url in dict.fromkeys(urls)]
+        self.lane = lane
         self.primary = self.members[0]
         self.url = self.primary.url
 

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serving.gateway.admission import authenticate, request_id_of
-from serving.gateway.config import GatewayConfig
+from serving.gateway.config import ConfigError, GatewayConfig
 from serving.gateway.errors import GatewayError
 from serving.gateway.keys import KeyStore
 from serving.gateway.metrics import GatewayMetrics
@@ -29,7 +29,7 @@ from serving.gateway.observations import ObservationStore
 from serving.gateway.proxy import Proxy
 from serving.gateway.ratelimit import RateLimiter
 from serving.gateway.replicas import ReplicaPools
-from serving.gateway.routing import VARIANT_NAMES, Fault, RoutingState, RoutingStore, Variant
+from serving.gateway.routing import VARIANT_NAMES, Fault, RoutingState, RoutingStore, Variant, adapter_lane_from_json
 from serving.gateway.shadow import ShadowMirror
 from serving.gateway.upstream import Forwarder
 
@@ -40,11 +40,19 @@ def initial_state(config: GatewayConfig) -> RoutingState:
     def variant(v) -> Variant:
         return Variant(list(v.replicas), v.version, v.served_model)
 
-    return RoutingState(champion=variant(config.champion), canary=variant(config.canary),
-                        shadow=variant(config.shadow), baseline=variant(config.baseline),
-                        canary_weight=config.canary_weight,
-                        shadow_fraction=config.shadow_mirror.fraction, model_name=config.model_name,
-                        updated_by="config")
+    lanes = {public: adapter_lane_from_json({"champion": {"version": adapter.version,
+                                                          "served_model": adapter.served_model}}, f"adapters.{public}.")
+             for public, adapter in config.adapters.items()}
+    state = RoutingState(champion=variant(config.champion), canary=variant(config.canary),
+                         shadow=variant(config.shadow), baseline=variant(config.baseline),
+                         canary_weight=config.canary_weight,
+                         shadow_fraction=config.shadow_mirror.fraction, model_name=config.model_name,
+                         lanes=lanes, updated_by="config")
+    try:
+        state.validate()
+    except ValueError as exc:
+        raise ConfigError(f"gateway config: {exc}") from None
+    return state
 
 
 def _tokenizer(config: GatewayConfig):
@@ -124,20 +132,36 @@ class Gateway:
         if expected is not None and expected != current.generation:
             raise GatewayError(409, f"routing changed since generation {expected} (now {current.generation}); "
                                "read it again", "conflict_error", "generation_mismatch")
-        allowed = {*VARIANT_NAMES, "canary_weight", "shadow_fraction", "split_salt", "model_name",
-                   "faults"}
-        unknown = sorted(set(patch) - allowed)
-        if unknown:
-            raise GatewayError(400, f"{unknown[0]}: not a routing field (fields: {', '.join(sorted(allowed))})",
-                               param=unknown[0])
+        _refuse_unknown_fields(patch, {*LANE_FIELDS, "model_name"})
         merged = current.to_json() | patch
+        return self._replace(merged, actor, f"routing: {patch}")
+
+    def update_lane(self, lane: str, patch: dict[str, Any] | None, actor: str) -> dict[str, Any]:
+        """Change (or add) the adapter lane ``lane``; ``None`` removes it. The controller of an adapter rollout
+        drives its lane as the base's controller drives the base routing."""
+        current = self.routing.state
+        merged = current.to_json()
+        if patch is None:
+            if lane not in merged["lanes"]:
+                raise GatewayError(404, f"no adapter lane {lane!r}", "not_found_error", param="lane")
+            del merged["lanes"][lane]
+        else:
+            expected = patch.pop("expected_generation", None)
+            if expected is not None and expected != current.generation:
+                raise GatewayError(409, f"routing changed since generation {expected} (now {current.generation}); "
+                                   "read it again", "conflict_error", "generation_mismatch")
+            _refuse_unknown_fields(patch, set(LANE_FIELDS))
+            merged["lanes"][lane] = merged["lanes"].get(lane, {}) | patch
+        return self._replace(merged, actor, f"lane {lane}: {patch if patch is not None else 'removed'}")
+
+    def _replace(self, merged: dict[str, Any], actor: str, what: str) -> dict[str, Any]:
         try:
             new = RoutingState.from_json(merged)
         except (ValueError, TypeError) as exc:
             raise GatewayError(400, f"routing: {exc}") from None
         self.routing.replace(new, actor)
         self._sync()
-        log.info("routing generation %d set by %s: %s", new.generation, actor, patch)
+        log.info("routing generation %d set by %s: %s", new.generation, actor, what)
         return self.routing_view()
 
     def register_replica(self, name: str, url: object, actor: str) -> dict[str, Any]:
@@ -192,9 +216,14 @@ def build_gateway_app(config: GatewayConfig, seed: int | None = None) -> FastAPI
 
     @app.get("/v1/models")
     async def models(request: Request):
+        """The public model and each adapter lane, with the base as its ``parent`` (as vLLM lists adapters)."""
         authenticate(request, gateway.keys)
-        return {"object": "list", "data": [{"id": gateway.routing.state.public_model, "object": "model",
-                                            "created": 0, "owned_by": "llm-lifecycle-gateway"}]}
+        state = gateway.routing.state
+        cards = [{"id": state.public_model, "object": "model", "created": 0, "owned_by": "llm-lifecycle-gateway",
+                  "parent": None}]
+        cards += [{"id": name, "object": "model", "created": 0, "owned_by": "llm-lifecycle-gateway",
+                   "parent": state.public_model} for name in sorted(state.lanes)]
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health():
@@ -222,6 +251,16 @@ def build_gateway_app(config: GatewayConfig, seed: int | None = None) -> FastAPI
         key = authenticate(request, gateway.keys, admin=True)
         return gateway.update_routing(await _json_object(request), _actor(request, key))
 
+    @app.put("/admin/lanes/{lane}")
+    async def put_lane(lane: str, request: Request):
+        key = authenticate(request, gateway.keys, admin=True)
+        return gateway.update_lane(lane, await _json_object(request), _actor(request, key))
+
+    @app.delete("/admin/lanes/{lane}")
+    async def delete_lane(lane: str, request: Request):
+        key = authenticate(request, gateway.keys, admin=True)
+        return gateway.update_lane(lane, None, _actor(request, key))
+
     @app.put("/admin/replicas/{name}")
     async def register_replica(name: str, request: Request):
         key = authenticate(request, gateway.keys, admin=True)
@@ -234,11 +273,22 @@ def build_gateway_app(config: GatewayConfig, seed: int | None = None) -> FastAPI
         return gateway.forget_replica(name, _actor(request, key))
 
     @app.get("/admin/window")
-    async def window(request: Request, since: float, until: float | None = None, disagreements: int = 10):
+    async def window(request: Request, since: float, until: float | None = None, disagreements: int = 10,
+                     lane: str = ""):
         authenticate(request, gateway.keys, admin=True)
-        return await asyncio.to_thread(gateway.store.window, since, until, max(0, min(disagreements, 100)))
+        return await asyncio.to_thread(gateway.store.window, since, until, max(0, min(disagreements, 100)), lane)
 
     return app
+
+
+LANE_FIELDS = (*VARIANT_NAMES, "canary_weight", "shadow_fraction", "split_salt", "faults")
+
+
+def _refuse_unknown_fields(patch: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(patch) - allowed)
+    if unknown:
+        raise GatewayError(400, f"{unknown[0]}: not a routing field (fields: {', '.join(sorted(allowed))})",
+                           param=unknown[0])
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

@@ -32,6 +32,19 @@ class VariantConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """An adapter served on the champion's replicas under its own public name (an adapter lane): the name the
+    replicas load it under and the registry version it is. Its rollouts move the lane, not these lines."""
+
+    served_model: str
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.served_model:
+            raise ValueError("served_model: the name the replicas serve the adapter under is required")
+
+
+@dataclass
 class ShadowConfig:
     """Mirroring budget: a mirror may never slow or starve the user's request."""
 
@@ -97,6 +110,7 @@ class GatewayConfig:
     shadow: VariantConfig = field(default_factory=VariantConfig)
     baseline: VariantConfig = field(default_factory=VariantConfig)  # the champion's snapshot, the canary's share
     canary_weight: float = 0.0  # percent of conversations on the canary
+    adapters: dict[str, AdapterConfig] = field(default_factory=dict)  # public adapter name → what serves it
     shadow_mirror: ShadowConfig = field(default_factory=ShadowConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -140,5 +154,5 @@ def _resolve(base: Path, value: str | None) -> str | None:
     return str(candidate if candidate.is_absolute() else (base / candidate).resolve())
 
 
-__all__ = ["VARIANTS", "AccessLogConfig", "ConfigError", "GatewayConfig", "HealthConfig", "LimitsConfig",
-           "ShadowConfig", "VariantConfig", "load_gateway_config"]
+__all__ = ["VARIANTS", "AccessLogConfig", "AdapterConfig", "ConfigError", "GatewayConfig", "HealthConfig",
+           "LimitsConfig", "ShadowConfig", "VariantConfig", "load_gateway_config"]

@@ -1,7 +1,8 @@
 """Prometheus metrics of the gateway, labelled by variant, so a dashboard compares champion and canary.
 
 Names carry the ``lifecycle_gateway_`` prefix; latencies are what a client sees through the gateway
-(TTFT to the first streamed token, inter-token gaps between streamed chunks, end-to-end).
+(TTFT to the first streamed token, inter-token gaps between streamed chunks, end-to-end). An adapter lane's
+variants are labelled ``ADAPTER/VARIANT`` (``support/canary``), so each adapter rollout has its own series.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0
                     40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5,
                 1.0)
+
+
+def variant_label(lane: str, variant: str) -> str:
+    """The ``variant`` label of a request to ``lane`` (``""``: the base model)."""
+    return f"{lane}/{variant}" if lane else variant
 
 
 class GatewayMetrics:

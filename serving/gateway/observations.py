@@ -22,7 +22,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     ts REAL, request_id TEXT, variant TEXT, version TEXT, replica TEXT, status INTEGER, error TEXT,
     ttft_ms REAL, itl_ms REAL, e2e_ms REAL, prompt_tokens INTEGER, completion_tokens INTEGER,
-    stream INTEGER, probe INTEGER, fallback_to TEXT, conversation TEXT
+    stream INTEGER, probe INTEGER, fallback_to TEXT, conversation TEXT, lane TEXT
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 CREATE TABLE IF NOT EXISTS pairs (
@@ -31,7 +31,7 @@ CREATE TABLE IF NOT EXISTS pairs (
     primary_text TEXT, shadow_text TEXT, exact_match INTEGER, same_answer INTEGER,
     answer_primary TEXT, answer_shadow TEXT, refusal_primary INTEGER, refusal_shadow INTEGER,
     first_divergence INTEGER, length_ratio REAL, similarity REAL, agree INTEGER,
-    primary_tokens INTEGER, shadow_tokens INTEGER
+    primary_tokens INTEGER, shadow_tokens INTEGER, lane TEXT
 );
 CREATE INDEX IF NOT EXISTS pairs_ts ON pairs (ts);
 """
@@ -57,6 +57,7 @@ class RequestRecord:
     probe: bool = False
     fallback_to: str | None = None  # the variant that answered instead, when this attempt failed
     conversation: str | None = None  # a short hash of the sticky key: how many users a variant saw
+    lane: str = ""  # the adapter lane (its public name) the request was for; "" for the base model
 
 
 @dataclass
@@ -85,6 +86,7 @@ class PairRecord:
     agree: bool
     primary_tokens: int | None = None  # completion tokens of each answer: the pair's ms per token, side by side
     shadow_tokens: int | None = None
+    lane: str = ""
 
 
 _STOP = object()
@@ -99,6 +101,9 @@ class ObservationStore:
             _add_missing_columns(conn, "requests", {"conversation": "TEXT"})  # a store from before keys were counted
             # ... and from before a pair kept its token counts
             _add_missing_columns(conn, "pairs", {"primary_tokens": "INTEGER", "shadow_tokens": "INTEGER"})
+            # ... and from before adapters had lanes (its rows are the base's: NULL reads as "")
+            _add_missing_columns(conn, "requests", {"lane": "TEXT"})
+            _add_missing_columns(conn, "pairs", {"lane": "TEXT"})
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write_loop, name="observations-writer", daemon=True)
         self._thread.start()
@@ -152,31 +157,34 @@ class ObservationStore:
                 return
 
     # ----------------------------------------------------------------- reading
-    def window(self, since: float, until: float | None = None, disagreements: int = 10) -> dict[str, Any]:
-        """Everything the controller judges a step on, for requests that arrived in [since, until)."""
+    def window(self, since: float, until: float | None = None, disagreements: int = 10, lane: str = ""
+               ) -> dict[str, Any]:
+        """Everything the controller judges a step on, for requests to ``lane`` (``""``: the base model) that
+        arrived in [since, until)."""
         self.flush()
         until = until if until is not None else time.time() + 1
         conn = self._connect()
+        scope = _Scope(since, until, lane)
         try:
-            return {"since": since, "until": until, "variants": self._variants(conn, since, until),
-                    "pairs": self._pairs(conn, since, until),
-                    "disagreements": self._disagreements(conn, since, until, disagreements)}
+            return {"since": since, "until": until, "lane": lane, "variants": self._variants(conn, scope),
+                    "pairs": self._pairs(conn, scope),
+                    "disagreements": self._disagreements(conn, scope, disagreements)}
         finally:
             conn.close()
 
     @staticmethod
-    def _variants(conn: sqlite3.Connection, since: float, until: float) -> list[dict[str, Any]]:
+    def _variants(conn: sqlite3.Connection, scope: _Scope) -> list[dict[str, Any]]:
         out = []
         groups = conn.execute("SELECT variant, version, COUNT(*), SUM(status >= 500), SUM(status = 429), "
                               "SUM(fallback_to IS NOT NULL), SUM(COALESCE(completion_tokens, 0)), "
                               "COUNT(DISTINCT conversation) FROM requests "
-                              "WHERE ts >= ? AND ts < ? AND probe = 0 GROUP BY variant, version",
-                              (since, until)).fetchall()
+                              f"WHERE {scope.where} AND probe = 0 GROUP BY variant, version",
+                              scope.params).fetchall()
         for variant, version, n, n5xx, n429, fallbacks, tokens, keys in groups:
             def samples(column: str, variant: str = variant, version: str = version) -> list[float]:
-                rows = conn.execute(f"SELECT {column} FROM requests WHERE ts >= ? AND ts < ? AND probe = 0 AND "
+                rows = conn.execute(f"SELECT {column} FROM requests WHERE {scope.where} AND probe = 0 AND "
                                     f"variant = ? AND version = ? AND status = 200 AND ({column}) IS NOT NULL "
-                                    f"ORDER BY ts DESC LIMIT ?", (since, until, variant, version, MAX_SAMPLES))
+                                    f"ORDER BY ts DESC LIMIT ?", (*scope.params, variant, version, MAX_SAMPLES))
                 return [r[0] for r in rows]
 
             out.append({"variant": variant, "version": version, "requests": n, "keys": keys or 0,
@@ -188,14 +196,14 @@ class ObservationStore:
         return out
 
     @staticmethod
-    def _pairs(conn: sqlite3.Connection, since: float, until: float) -> list[dict[str, Any]]:
+    def _pairs(conn: sqlite3.Connection, scope: _Scope) -> list[dict[str, Any]]:
         rows = conn.execute(
             "SELECT primary_version, shadow_version, COUNT(*), SUM(shadow_status != 200), "
             "SUM(primary_status = 200 AND shadow_status = 200), SUM(exact_match), "
             "SUM(same_answer IS NOT NULL), SUM(COALESCE(same_answer, 0)), SUM(agree), "
             "SUM(refusal_primary != refusal_shadow), AVG(similarity), AVG(length_ratio), "
-            "AVG(primary_ms), AVG(shadow_ms) FROM pairs WHERE ts >= ? AND ts < ? "
-            "GROUP BY primary_version, shadow_version", (since, until)).fetchall()
+            f"AVG(primary_ms), AVG(shadow_ms) FROM pairs WHERE {scope.where} "
+            "GROUP BY primary_version, shadow_version", scope.params).fetchall()
         keys = ("primary_version", "shadow_version", "pairs", "shadow_errors", "compared", "exact_match",
                 "with_answer", "same_answer", "agree", "refusal_flips", "similarity", "length_ratio",
                 "primary_ms", "shadow_ms")
@@ -205,22 +213,37 @@ class ObservationStore:
             # ms per output token of both answers to each mirrored request, [primary, shadow]: the shadow
             # latency gate compares them pair by pair, so what the host did at that moment hits both sides
             group["ms_per_token"] = [list(r) for r in conn.execute(
-                "SELECT primary_ms / primary_tokens, shadow_ms / shadow_tokens FROM pairs WHERE ts >= ? AND ts < ? "
+                f"SELECT primary_ms / primary_tokens, shadow_ms / shadow_tokens FROM pairs WHERE {scope.where} "
                 "AND primary_version = ? AND shadow_version = ? AND primary_status = 200 AND shadow_status = 200 "
                 "AND primary_tokens > 0 AND shadow_tokens > 0 ORDER BY ts DESC LIMIT ?",
-                (since, until, group["primary_version"], group["shadow_version"], MAX_SAMPLES))]
+                (*scope.params, group["primary_version"], group["shadow_version"], MAX_SAMPLES))]
             out.append(group)
         return out
 
     @staticmethod
-    def _disagreements(conn: sqlite3.Connection, since: float, until: float, limit: int) -> list[dict[str, Any]]:
+    def _disagreements(conn: sqlite3.Connection, scope: _Scope, limit: int) -> list[dict[str, Any]]:
         """The pairs a person should read first: refusal flips, then different answers, then least similar."""
         cur = conn.execute(
-            "SELECT * FROM pairs WHERE ts >= ? AND ts < ? AND agree = 0 AND primary_status = 200 AND "
+            f"SELECT * FROM pairs WHERE {scope.where} AND agree = 0 AND primary_status = 200 AND "
             "shadow_status = 200 ORDER BY (refusal_primary != refusal_shadow) DESC, "
-            "(same_answer = 0) DESC, similarity ASC LIMIT ?", (since, until, limit))
+            "(same_answer = 0) DESC, similarity ASC LIMIT ?", (*scope.params, limit))
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """A window's rows: arrived in [since, until), for one lane (a store's rows from before lanes are the base's)."""
+
+    since: float
+    until: float
+    lane: str
+
+    where = "ts >= ? AND ts < ? AND COALESCE(lane, '') = ?"
+
+    @property
+    def params(self) -> tuple[float, float, str]:
+        return self.since, self.until, self.lane
 
 
 def _add_missing_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:

@@ -27,7 +27,7 @@ from serving.gateway.config import GatewayConfig
 from serving.gateway.continuation import Continuation, continuation
 from serving.gateway.errors import GatewayError
 from serving.gateway.keys import ApiKey, KeyStore
-from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.metrics import GatewayMetrics, variant_label
 from serving.gateway.observations import ObservationStore, RequestRecord
 from serving.gateway.ratelimit import RateLimited, RateLimiter, Reservation
 from serving.gateway.routing import VARIANT_NAMES, RoutingStore, choose_variant
@@ -68,6 +68,7 @@ class RequestContext:
     conversation: str | None = None  # short hash of the sticky key, for counting users per variant
     wants_token_ids: bool = False  # the client asked for return_token_ids itself (else they are stripped)
     public_model: str = ""  # the name answers carry, whichever replica wrote them
+    lane: str = ""  # the adapter lane the request's model names; "" for the base model
 
 
 def _prompt_text(body: dict) -> str:
@@ -106,16 +107,17 @@ class Proxy:
             return exc.response(request_id)
         conversation = conversation_key(request, key, body)
         ctx.conversation = None if conversation is None else short_hash(conversation)
-        order, pinned = self._route(request, conversation)
+        order, pinned = self._route(request, conversation, ctx.lane)
         ctx.pinned = pinned
         if order[0] == "champion" and not pinned and not ctx.probe:
             self._maybe_mirror(ctx)
-        self.metrics.in_flight.labels(order[0]).inc()
+        in_flight = self.metrics.in_flight.labels(variant_label(ctx.lane, order[0]))
+        in_flight.inc()
         try:
             attempt = await self.forwarder.open(request_id, path, body, order, wall_start, stream=ctx.stream,
-                                                probe=ctx.probe, conversation=ctx.conversation)
+                                                probe=ctx.probe, conversation=ctx.conversation, lane=ctx.lane)
         except NoReplicaAvailable as exc:
-            self.metrics.in_flight.labels(order[0]).dec()
+            in_flight.dec()
             self._settle(ctx, None, generated=False)
             error = _no_replica_error(exc)
             if ctx.mirror is not None:
@@ -124,7 +126,7 @@ class Proxy:
             if error.status != 429:  # a busy fleet is load, not a fault
                 log.warning("%s %s -> 503 no replica (%s)", request_id, path, exc)
             return error.response(request_id)
-        self.metrics.in_flight.labels(order[0]).dec()
+        in_flight.dec()
         self.forwarder.record_failures(attempt)
         headers = {"x-request-id": request_id, "x-lifecycle-variant": attempt.variant,
                    "x-lifecycle-version": attempt.version}
@@ -145,10 +147,12 @@ class Proxy:
     def _admit(self, request: Request, key: ApiKey, path: str, body: dict, request_id: str, wall_start: float,
                perf_start: float) -> RequestContext:
         model = body.get("model")
-        public = self.routing.state.public_model
-        if model is not None and model != public:
+        found = self.routing.state.lane(model) if model is None or isinstance(model, str) else None
+        if found is None:
             raise GatewayError(404, f"The model `{model}` does not exist.", "invalid_request_error",
                                "model_not_found", "model")
+        lane, _ = found
+        public = lane or self.routing.state.public_model
         check_fields(body, path)
         stream = body.get("stream") is True
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage")) if isinstance(
@@ -177,26 +181,27 @@ class Proxy:
                 raise GatewayError(429, f"{exc.what}; retry in {exc.retry_after_header} s", "rate_limit_error",
                                    "rate_limit_exceeded", headers={"retry-after": exc.retry_after_header}) from None
         return RequestContext(request_id, key, path, body, stream, wants_usage, wall_start, perf_start, cost,
-                              reservation, probe, wants_token_ids=wants_token_ids, public_model=public)
+                              reservation, probe, wants_token_ids=wants_token_ids, public_model=public, lane=lane)
 
-    def _route(self, request: Request, conversation: str | None) -> tuple[list[str], bool]:
+    def _route(self, request: Request, conversation: str | None, lane: str) -> tuple[list[str], bool]:
         pinned = request.headers.get(PIN_HEADER)
         if pinned:
             if pinned not in VARIANT_NAMES:
                 pinned = "champion"
             return [pinned], True
-        variant = choose_variant(self.routing.state, conversation, self.rng)
+        variant = choose_variant(self.routing.state.lane_state(lane), conversation, self.rng)
         return ([variant] if variant == "champion" else [variant, "champion"]), False
 
     def _maybe_mirror(self, ctx: RequestContext) -> None:
-        state = self.routing.state
-        if not state.shadow.active or state.shadow_fraction <= 0 or self.rng.random() >= state.shadow_fraction:
+        state = self.routing.state.lane_state(ctx.lane)
+        if not state.active("shadow") or state.shadow_fraction <= 0 or self.rng.random() >= state.shadow_fraction:
             return
         body = ctx.body
         if body.get("temperature") != 0 and body.get("seed") is None:
             # the same seed on both sides: a sampled request then differs only where the models do
             body["seed"] = self.rng.randrange(2 ** 31)
-        ctx.mirror = self.shadow.try_start(ctx.request_id, ctx.path, body, ctx.cost.total, _prompt_text(body))
+        ctx.mirror = self.shadow.try_start(ctx.request_id, ctx.path, body, ctx.cost.total, _prompt_text(body),
+                                           ctx.lane)
 
     # ----------------------------------------------------------------- answers
     async def _full(self, request: Request, ctx: RequestContext, attempt: Attempt, headers: dict) -> Response:
@@ -242,7 +247,7 @@ class Proxy:
         status, error = 200, None
         continued = complete = False
         resumed: Continuation | None = None  # how to read the events of a replica that took over
-        fault = self.routing.state.faults.get(attempt.variant)
+        fault = self.routing.state.lane_state(ctx.lane).faults.get(attempt.variant)
         # a drill, a slower decode: each token after the first leaves at least token_gap after the one before
         token_gap = fault.token_gap_ms / 1000 if fault is not None else 0.0
         try:
@@ -320,7 +325,7 @@ class Proxy:
             attempt = await self.forwarder.open(ctx.request_id, resumed.path, resumed.body, order, ctx.wall_start,
                                                 stream=True,
                                                 probe=ctx.probe, exclude=frozenset({broken.replica.url}),
-                                                conversation=ctx.conversation)
+                                                conversation=ctx.conversation, lane=ctx.lane)
         except NoReplicaAvailable:
             return None
         if attempt.status != 200:
@@ -334,44 +339,46 @@ class Proxy:
         self.store.add(RequestRecord(ts=ctx.wall_start, request_id=ctx.request_id, variant=attempt.variant,
                                      version=attempt.version, replica=attempt.replica.url, status=599, error=reason,
                                      e2e_ms=(time.perf_counter() - ctx.perf_start) * 1000, stream=True,
-                                     probe=ctx.probe, fallback_to=nxt.variant, conversation=ctx.conversation))
-        self.metrics.requests.labels(attempt.variant, attempt.version, "599").inc()
-        self.metrics.fallbacks.labels(attempt.variant, nxt.variant).inc()
+                                     probe=ctx.probe, fallback_to=nxt.variant, conversation=ctx.conversation,
+                                     lane=ctx.lane))
+        self.metrics.requests.labels(variant_label(ctx.lane, attempt.variant), attempt.version, "599").inc()
+        self.metrics.fallbacks.labels(variant_label(ctx.lane, attempt.variant), variant_label(ctx.lane, nxt.variant)
+                                      ).inc()
         log.warning("%s stream broke on %s (%s): continued on %s %s", ctx.request_id, attempt.replica.url,
                     attempt.variant, nxt.variant, nxt.replica.url)
 
     def _finish(self, ctx: RequestContext, attempt: Attempt, status: int, error: str | None, ttft_s: float | None,
                 gaps: list[float], text: str | None, usage: dict | None) -> None:
         e2e = time.perf_counter() - ctx.perf_start
-        variant = attempt.variant
+        variant, label = attempt.variant, variant_label(ctx.lane, attempt.variant)
         m = self.metrics
-        m.requests.labels(variant, attempt.version, str(status)).inc()
-        m.e2e.labels(variant).observe(e2e)
+        m.requests.labels(label, attempt.version, str(status)).inc()
+        m.e2e.labels(label).observe(e2e)
         if ttft_s is not None:
-            m.ttft.labels(variant).observe(ttft_s)
-        itl_hist = m.itl.labels(variant)
+            m.ttft.labels(label).observe(ttft_s)
+        itl_hist = m.itl.labels(label)
         for gap in gaps:
             itl_hist.observe(gap)
         prompt_tokens = completion_tokens = None
         if isinstance(usage, dict):
             prompt_tokens, completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(prompt_tokens, int):
-                m.tokens.labels(variant, "prompt").inc(prompt_tokens)
+                m.tokens.labels(label, "prompt").inc(prompt_tokens)
             if isinstance(completion_tokens, int):
-                m.tokens.labels(variant, "completion").inc(completion_tokens)
+                m.tokens.labels(label, "completion").inc(completion_tokens)
         self.store.add(RequestRecord(
             ts=ctx.wall_start, request_id=ctx.request_id, variant=variant, version=attempt.version,
             replica=attempt.replica.url, status=status, error=error,
             ttft_ms=ttft_s * 1000 if ttft_s is not None else None,
             itl_ms=(sum(gaps) / len(gaps) * 1000) if gaps else None, e2e_ms=e2e * 1000,
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, stream=ctx.stream, probe=ctx.probe,
-            conversation=ctx.conversation))
+            conversation=ctx.conversation, lane=ctx.lane))
         self._settle(ctx, usage, generated=not 400 <= status < 500)  # a replica's 4xx generated nothing
         if ctx.mirror is not None:
             ctx.mirror.primary_done(text or "", status, e2e * 1000,
                                     completion_tokens if isinstance(completion_tokens, int) else None)
         access_log.info("%s %s key=%s variant=%s v%s -> %d in %.0f ms", ctx.request_id, ctx.path, ctx.key.name,
-                        variant, attempt.version or "?", status, e2e * 1000)
+                        label, attempt.version or "?", status, e2e * 1000)
 
     def _settle(self, ctx: RequestContext, usage: dict | None, generated: bool = True) -> None:
         """Give back what the reservation did not use: per the answer's usage; all of it when no replica

@@ -76,50 +76,92 @@ class Fault:
 
 
 @dataclass
-class RoutingState:
+class Lane:
+    """Who serves one public model, at which weight: the variants, the canary's share, the shadow's, the salt.
+
+    The gateway's own public model is the ``RoutingState`` itself (a lane with replicas). Each adapter served
+    on the champion's replicas is a lane of its own in ``RoutingState.lanes``: its variants are adapter versions
+    *inside those replicas* (``served_model`` is the name the replicas load it under), so a lane's variants have
+    no replicas of their own, and one is active when it names a served model. Several lanes, each with its own
+    canary weight and salt, let several adapter rollouts run at once beside a rollout of the base."""
+
     champion: Variant = field(default_factory=Variant)
     canary: Variant = field(default_factory=Variant)
     shadow: Variant = field(default_factory=Variant)
-    baseline: Variant = field(default_factory=Variant)  # the champion's snapshot on fresh replicas, canary's share
+    baseline: Variant = field(default_factory=Variant)  # the champion's snapshot, the canary's share
     canary_weight: float = 0.0  # percent of conversations
     shadow_fraction: float = 0.0  # share of champion requests mirrored
     split_salt: str = "default"
-    model_name: str = ""  # the public model id; "" → the champion's served model
     faults: dict[str, Fault] = field(default_factory=dict)
-    generation: int = 0
-    updated_at: float = 0.0
-    updated_by: str = ""
-    replica_names: dict[str, str] = field(default_factory=dict)  # a named replica → where it answers now
-    moved: dict[str, str] = field(default_factory=dict)  # an address a named replica left → where it answers now
 
     def variant(self, name: str) -> Variant:
         if name not in VARIANT_NAMES:
             raise KeyError(name)
         return getattr(self, name)
 
+    def active(self, name: str) -> bool:
+        """Takes traffic when routed: a base variant with replicas, an adapter lane's with a served model."""
+        return self.variant(name).active
+
     @property
     def baseline_weight(self) -> float:
         """The baseline's share: the canary's, or what the canary leaves above 50%."""
-        if not (self.baseline.active and self.canary.active):
+        if not (self.active("baseline") and self.active("canary")):
             return 0.0
         return min(self.canary_weight, 100.0 - self.canary_weight)
+
+    def validate(self, where: str = "") -> None:
+        if not 0.0 <= self.canary_weight <= 100.0:
+            raise ValueError(f"{where}canary_weight: must be in [0, 100], got {self.canary_weight}")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError(f"{where}shadow_fraction: must be in [0, 1], got {self.shadow_fraction}")
+        for name in self.faults:
+            if name not in VARIANT_NAMES:
+                raise ValueError(f"{where}faults: unknown variant {name!r}")
+
+
+class AdapterLane(Lane):
+    """A lane whose variants are adapters inside the champion's replicas: active when it names a served model."""
+
+    def active(self, name: str) -> bool:
+        return bool(self.variant(name).served_model)
+
+
+@dataclass
+class RoutingState(Lane):
+    model_name: str = ""  # the public model id; "" → the champion's served model
+    lanes: dict[str, AdapterLane] = field(default_factory=dict)  # public adapter name → its lane
+    generation: int = 0
+    updated_at: float = 0.0
+    updated_by: str = ""
+    replica_names: dict[str, str] = field(default_factory=dict)  # a named replica → where it answers now
+    moved: dict[str, str] = field(default_factory=dict)  # an address a named replica left → where it answers now
 
     @property
     def public_model(self) -> str:
         return self.model_name or self.champion.served_model or "default"
 
-    def validate(self) -> None:
-        if not 0.0 <= self.canary_weight <= 100.0:
-            raise ValueError(f"canary_weight: must be in [0, 100], got {self.canary_weight}")
-        if not 0.0 <= self.shadow_fraction <= 1.0:
-            raise ValueError(f"shadow_fraction: must be in [0, 1], got {self.shadow_fraction}")
+    def lane(self, model: str | None) -> tuple[str, Lane] | None:
+        """The lane a request's ``model`` names (``""`` for the public model, which no ``model`` names too)."""
+        if model is None or model == self.public_model:
+            return "", self
+        lane = self.lanes.get(model)
+        return (model, lane) if lane is not None else None
+
+    def lane_state(self, lane: str) -> Lane:
+        """The lane of a request admitted for ``lane`` (``""``: the base); one removed since routes nowhere."""
+        return self if not lane else self.lanes.get(lane, AdapterLane())
+
+    def validate(self, where: str = "") -> None:
+        super().validate()
         for name in VARIANT_NAMES:
             for url in self.variant(name).replicas:
                 if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                     raise ValueError(f"{name}.replicas: {url!r} is not an http(s) URL")
-        for name in self.faults:
-            if name not in VARIANT_NAMES:
-                raise ValueError(f"faults: unknown variant {name!r}")
+        for public, lane in self.lanes.items():
+            if public == self.public_model:
+                raise ValueError(f"lanes: {public!r} is the base's public model name")
+            lane.validate(f"lanes.{public}.")
 
     def register(self, name: str, url: str) -> str | None:
         """Replica ``name`` answers at ``url`` now; returns the address it left, when it moved, after routing
@@ -158,6 +200,8 @@ class RoutingState:
             for name in VARIANT_NAMES:
                 data[name] = Variant(**(data.get(name) or {}))
             data["faults"] = {k: Fault(**v) for k, v in (data.get("faults") or {}).items()}
+            data["lanes"] = {public: adapter_lane_from_json(lane, f"lanes.{public}.")
+                             for public, lane in (data.get("lanes") or {}).items()}
             state = cls(**data)
         except TypeError as exc:
             raise ValueError(f"routing state: {exc}") from None
@@ -168,14 +212,35 @@ class RoutingState:
         return state
 
 
+def adapter_lane_from_json(data: object, where: str) -> AdapterLane:
+    """An adapter lane from its JSON; a lane naming replicas of its own is refused (it has none)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where[:-1]}: a lane is an object of variants and weights")
+    data = dict(data)
+    try:
+        for name in VARIANT_NAMES:
+            data[name] = Variant(**(data.get(name) or {}))
+        data["faults"] = {k: Fault(**v) for k, v in (data.get("faults") or {}).items()}
+        lane = AdapterLane(**data)
+    except TypeError as exc:
+        raise ValueError(f"{where}{exc}") from None
+    for name in VARIANT_NAMES:
+        if lane.variant(name).replicas:
+            raise ValueError(f"{where}{name}.replicas: an adapter lane is served by the champion's replicas and "
+                             "has none of its own")
+    lane.validate(where)
+    return lane
+
+
 def bucket_of(salt: str, key: str) -> int:
     digest = hashlib.sha256(f"{salt}\x00{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big") % BUCKETS
 
 
-def choose_variant(state: RoutingState, conversation_key: str | None, rng: random.Random | None = None) -> str:
-    """``"canary"``, ``"baseline"`` or ``"champion"`` for one request; sticky when a conversation key is known."""
-    if not state.canary.active or state.canary_weight <= 0:
+def choose_variant(state: Lane, conversation_key: str | None, rng: random.Random | None = None) -> str:
+    """``"canary"``, ``"baseline"`` or ``"champion"`` for one request of a lane; sticky when a conversation key is
+    known."""
+    if not state.active("canary") or state.canary_weight <= 0:
         return "champion"
     canary_below = round(state.canary_weight * BUCKETS / 100)
     baseline_from = BUCKETS - round(state.baseline_weight * BUCKETS / 100)

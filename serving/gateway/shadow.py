@@ -19,7 +19,7 @@ import orjson
 
 from serving.gateway.compare import compare_replies
 from serving.gateway.config import ShadowConfig
-from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.metrics import GatewayMetrics, variant_label
 from serving.gateway.observations import ObservationStore, PairRecord, RequestRecord
 from serving.gateway.replicas import ReplicaPools
 from serving.gateway.routing import RoutingStore
@@ -55,14 +55,17 @@ class ShadowMirror:
         self.tokens_in_flight = 0
         self._tasks: set[asyncio.Task] = set()
 
-    def try_start(self, request_id: str, path: str, body: dict, estimated_tokens: int, prompt: str) -> Mirror | None:
+    def try_start(self, request_id: str, path: str, body: dict, estimated_tokens: int, prompt: str,
+                  lane: str = "") -> Mirror | None:
+        """Mirror one request to the shadow variant of its lane (an adapter lane's shadow is an adapter inside the
+        champion's replicas), unless the mirroring budget is spent."""
         if self.in_flight >= self.config.max_concurrency:
             self.metrics.shadow_dropped.labels("concurrency").inc()
             return None
         if self.tokens_in_flight + estimated_tokens > self.config.max_tokens_in_flight:
             self.metrics.shadow_dropped.labels("tokens").inc()
             return None
-        replicas = self.pools.pick_order("shadow")
+        replicas = self.pools.pick_order("champion" if lane else "shadow")
         if not replicas:
             self.metrics.shadow_dropped.labels("no_replica").inc()
             return None
@@ -70,14 +73,14 @@ class ShadowMirror:
         self.in_flight += 1
         self.tokens_in_flight += estimated_tokens
         task = asyncio.create_task(self._run(mirror, request_id, path, body, estimated_tokens, prompt,
-                                             replicas[0].url))
+                                             replicas[0].url, lane))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return mirror
 
     async def _run(self, mirror: Mirror, request_id: str, path: str, body: dict, estimated_tokens: int,
-                   prompt: str, url: str) -> None:
-        state = self.routing.state
+                   prompt: str, url: str, lane: str) -> None:
+        state = self.routing.state.lane_state(lane)
         shadow = state.shadow
         payload = {**body, "stream": False}
         payload.pop("stream_options", None)
@@ -106,8 +109,8 @@ class ShadowMirror:
         self.store.add(RequestRecord(ts=wall, request_id=f"{request_id}-shadow", variant="shadow",
                                      version=shadow.version, replica=url, status=status, error=error,
                                      e2e_ms=shadow_ms, prompt_tokens=usage.get("prompt_tokens"),
-                                     completion_tokens=usage.get("completion_tokens")))
-        self.metrics.requests.labels("shadow", shadow.version, str(status)).inc()
+                                     completion_tokens=usage.get("completion_tokens"), lane=lane))
+        self.metrics.requests.labels(variant_label(lane, "shadow"), shadow.version, str(status)).inc()
         try:
             primary = await asyncio.wait_for(mirror._primary, PRIMARY_WAIT_S)
             primary_text, primary_status, primary_ms, primary_tokens = primary
@@ -129,7 +132,7 @@ class ShadowMirror:
             answer_shadow=cmp.answer_shadow, refusal_primary=cmp.refusal_primary,
             refusal_shadow=cmp.refusal_shadow, first_divergence=cmp.first_divergence,
             length_ratio=cmp.length_ratio, similarity=cmp.similarity, agree=cmp.agree,
-            primary_tokens=primary_tokens, shadow_tokens=usage.get("completion_tokens")))
+            primary_tokens=primary_tokens, shadow_tokens=usage.get("completion_tokens"), lane=lane))
 
     async def drain(self, timeout: float = 5.0) -> None:
         if self._tasks:

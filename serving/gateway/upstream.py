@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.metrics import GatewayMetrics, variant_label
 from serving.gateway.observations import ObservationStore, RequestRecord
 from serving.gateway.replicas import Replica, ReplicaPools
 from serving.gateway.routing import RoutingStore
@@ -83,29 +83,33 @@ class Forwarder:
         self.metrics = metrics
         self.rng = rng or random.Random()
 
-    def payload(self, body: dict, variant: str) -> bytes:
-        served = self.routing.state.variant(variant).served_model
+    @staticmethod
+    def payload(body: dict, served: str) -> bytes:
         return orjson.dumps({**body, "model": served} if served else body)
 
     async def open(self, request_id: str, path: str, body: dict, order: list[str], wall_start: float,
                    *, stream: bool, probe: bool, exclude: frozenset[str] = frozenset(),
-                   conversation: str | None = None) -> Attempt:
+                   conversation: str | None = None, lane: str = "") -> Attempt:
+        """The first attempt that answers, trying ``order``'s variants in turn. An adapter lane's variants are
+        adapters inside the champion's replicas: their requests go to the champion's pool, asking for the
+        variant's served model."""
         failed: list[RequestRecord] = []
         retry_afters: list[str] = []
         last_reason = "no healthy replica"
         for variant in order:
-            state = self.routing.state
-            version = state.variant(variant).version
+            state = self.routing.state.lane_state(lane)
+            routed = state.variant(variant)
+            version = routed.version
             fault = state.faults.get(variant)
-            payload = self.payload(body, variant)
-            for replica in self.pools.pick_order(variant):
+            payload = self.payload(body, routed.served_model)
+            for replica in self.pools.pick_order("champion" if lane else variant):
                 if replica.url in exclude:
                     continue
                 if fault is not None and fault.delay_ms > 0:  # a drill: this variant answers slowly
                     await asyncio.sleep(fault.delay_ms / 1000)
                 if fault is not None and self.rng.random() * 100 < fault.abort_percent:
                     failed.append(self._failure(request_id, variant, version, replica, 503, "injected fault",
-                                                wall_start, stream, probe, conversation))
+                                                wall_start, stream, probe, conversation, lane))
                     last_reason = f"{variant}: injected fault"
                     continue
                 replica.in_flight += 1
@@ -116,7 +120,7 @@ class Forwarder:
                     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                     self.pools.failed(replica, reason)
                     failed.append(self._failure(request_id, variant, version, replica, 599, reason, wall_start,
-                                                stream, probe, conversation))
+                                                stream, probe, conversation, lane))
                     last_reason = f"{variant} {replica.url}: {reason}"
                     continue
                 if response.status in RETRYABLE:
@@ -131,18 +135,19 @@ class Forwarder:
                     elif response.headers.get("retry-after"):
                         retry_afters.append(response.headers["retry-after"])
                     failed.append(self._failure(request_id, variant, version, replica, response.status, text,
-                                                wall_start, stream, probe, conversation))
+                                                wall_start, stream, probe, conversation, lane))
                     last_reason = f"{variant} {replica.url}: HTTP {response.status}"
                     continue
                 self.pools.succeeded(replica)
                 for record in failed:
                     record.fallback_to = variant
-                    self.metrics.fallbacks.labels(record.variant, variant).inc()
-                return Attempt(variant, version, replica, response, failed,
-                               served_model=state.variant(variant).served_model)
+                    self.metrics.fallbacks.labels(variant_label(lane, record.variant), variant_label(lane, variant)
+                                                  ).inc()
+                return Attempt(variant, version, replica, response, failed, served_model=routed.served_model)
         for record in failed:
             self.store.add(record)
-            self.metrics.requests.labels(record.variant, record.version, str(record.status)).inc()
+            self.metrics.requests.labels(variant_label(record.lane, record.variant), record.version,
+                                         str(record.status)).inc()
         busy = any(r.status == 429 for r in failed) and not any(500 <= r.status < 599 for r in failed)
         raise NoReplicaAvailable(last_reason, all_rate_limited=busy, retry_after=_soonest(retry_afters))
 
@@ -158,17 +163,19 @@ class Forwarder:
 
     @staticmethod
     def _failure(request_id: str, variant: str, version: str, replica: Replica, status: int, error: str,
-                 wall_start: float, stream: bool, probe: bool, conversation: str | None = None) -> RequestRecord:
+                 wall_start: float, stream: bool, probe: bool, conversation: str | None = None,
+                 lane: str = "") -> RequestRecord:
         return RequestRecord(ts=wall_start, request_id=request_id, variant=variant, version=version,
                              replica=replica.url, status=status, error=error,
                              e2e_ms=(time.time() - wall_start) * 1000, stream=stream, probe=probe,
-                             conversation=conversation)
+                             conversation=conversation, lane=lane)
 
     def record_failures(self, attempt: Attempt) -> None:
         """Store the attempts that failed before ``attempt`` answered (the canary's errors, say)."""
         for record in attempt.failed_before:
             self.store.add(record)
-            self.metrics.requests.labels(record.variant, record.version, str(record.status)).inc()
+            self.metrics.requests.labels(variant_label(record.lane, record.variant), record.version,
+                                         str(record.status)).inc()
 
 
 def _soonest(retry_afters: list[str]) -> str | None:

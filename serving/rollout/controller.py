@@ -64,7 +64,7 @@ class Controller:
         spec = self.state.spec
         self.plan = spec.plan
         self.console = RegistryConsole(spec.model_name, spec.tracking_uri)
-        self.gateway = GatewayGroup(spec.gateways, read_secret(spec.admin_key_file))
+        self.gateway = GatewayGroup(spec.gateways, read_secret(spec.admin_key_file), lane=spec.lane)
         self.run = RolloutRun(spec.tracking_uri, self.state.mlflow_run_id)
         self.say = say or (lambda line: log.info("%s", line))
         self.judge = PhaseJudge(self.plan, self.gateway, self.console, self.say)

@@ -80,7 +80,7 @@ class PhaseJudge:
         counts = A.pair_counts(window, spec.champion_version, spec.champion_version)
         enough = counts["compared"] >= self.plan.baseline_min_pairs
         agreement = counts["agree"] / counts["compared"] if counts["compared"] else None
-        where = " on the baseline replica" if spec.baseline_replicas else ""
+        where = " on the baseline replica" if spec.baseline_replicas else ""  # an adapter's: on the same replicas
         verdict = Verdict("noise_floor", PASS if enough else INCONCLUSIVE, agreement, None, "measured", None,
                           counts["compared"], self.plan.baseline_min_pairs,
                           f"champion agrees with its own snapshot{where} on {counts['agree']}/{counts['compared']} "
@@ -99,7 +99,7 @@ class PhaseJudge:
             candidate_variant = "shadow" if state.phase == SHADOW else "canary"
             self.say(f"probing champion and candidate with {len(items)} verifiable prompts")
             champion = run_probes(self.gateway, "champion", items, self.plan.probes).to_json()
-            if state.phase == CANARY and spec.baseline_replicas:
+            if state.phase == CANARY and spec.has_baseline:
                 # in a canary step the same probes go to the baseline at the same time, so the load they add
                 # falls on both replicas the latency gates compare, not on the candidate's alone
                 with ThreadPoolExecutor(2) as pool:
@@ -124,7 +124,7 @@ class PhaseJudge:
 def _reference(state: RolloutState) -> tuple[str, str]:
     """What a canary step is judged against: the baseline replica, or the champion pool without one."""
     spec = state.spec
-    return ("baseline" if spec.baseline_replicas else "champion", spec.champion_version)
+    return ("baseline" if spec.has_baseline else "champion", spec.champion_version)
 
 
 def _canary_since(state: RolloutState) -> float:

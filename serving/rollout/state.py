@@ -55,10 +55,20 @@ class RolloutSpec:
     # more gateways in front of the same replicas: each routing change goes to every one, and a phase is judged
     # on the requests all of them saw
     other_gateway_urls: list[str] = field(default_factory=list)
+    # an adapter's rollout: the adapter's public name (its lane at the gateway). Champion and candidate are adapter
+    # versions inside the base's replicas (their served models), so both replica lists are empty, and the
+    # baseline is the champion adapter on those same replicas, taking the canary's share
+    lane: str = ""
 
     @property
     def gateways(self) -> list[str]:
         return [self.gateway_url, *self.other_gateway_urls]
+
+    @property
+    def has_baseline(self) -> bool:
+        """Canary steps compare the candidate with a baseline of equal share: fresh replicas of the champion's
+        snapshot, or, for an adapter, the champion adapter in the same replicas (the same batches)."""
+        return bool(self.baseline_replicas) or bool(self.lane)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Where each phase puts traffic and the registry's aliases: the routing patch and alias moves a
 ``Transition`` carries. A pure function of the rollout's state, so the controller can write a transition
-down before applying it, and a restarted controller re-applies the very same patch."""
+down before applying it, and a restarted controller re-applies the very same patch. An adapter's rollout has
+the same patches for its lane (the gateway client leaves out the replica lists, which a lane does not have)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ def plan_transition(state: RolloutState, plan: RolloutPlan, phase: str, step_ind
              "served_model": spec.champion_served_model}
     none = NO_VARIANT
     base = {"replicas": spec.baseline_replicas, "version": spec.champion_version,
-            "served_model": spec.champion_served_model} if spec.baseline_replicas else none
+            "served_model": spec.champion_served_model} if spec.has_baseline else none
     salt = state.id
     # every active phase restates the champion, so the gateway labels its traffic with the right version
     if phase == BASELINE:  # the noise floor: the champion against its own snapshot on another replica, the
-        # baseline's when there is one (two replicas, as the shadow phase compares), else its own replicas
-        floor = base if spec.baseline_replicas else champ
+        # baseline's when there is one (two replicas, as the shadow phase compares), else its own replicas (an
+        # adapter's: the champion adapter against itself, in the same replicas)
+        floor = base if spec.has_baseline else champ
         return ({"champion": champ, "shadow": floor, "shadow_fraction": plan.shadow_fraction,
                  "canary": none, "baseline": none, "canary_weight": 0.0, "split_salt": salt}, [])
     if phase == SHADOW:

@@ -117,3 +117,41 @@ def test_serve_refuses_an_adapter_bundle_of_another_base_before_loading(adapter_
     with pytest.raises(ServeError, match=r"--lora-modules: support=.*: adapter_manifest.json: trained on base "
                                          r"base-a:1 .* but .* is base-b:1"):
         lora_modules(bad)
+
+
+def test_an_adapter_registers_as_its_own_model_with_its_base_version_and_downloads_verified(
+        adapter_bundle, bases, tmp_path, monkeypatch):
+    """Registered in a real sqlite MLflow store: refused while its base is not a registered version, then a
+    version of `support-adapter` tagged with the base's version; `models:/support-adapter/1` resolves to a verified
+    copy, and a copy whose adapter manifest was swapped is refused."""
+    from mlflow import MlflowClient
+
+    from artifacts.adapter_registry import adapter_base, register_adapter_bundle
+    from artifacts.errors import RegistryError
+    from artifacts.registry import register_bundle, resolve_bundle
+
+    monkeypatch.chdir(tmp_path)  # the registration runs' artifacts land here
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(RegistryError, match="is not a registered version of base-a; register the base first"):
+        register_adapter_bundle(adapter_bundle, "support-adapter", base_model="base-a", tracking_uri=uri)
+    register_bundle(bases["b"], "base-a", tracking_uri=uri)  # another base under that name: still not its base
+    with pytest.raises(RegistryError, match="register the base first"):
+        register_adapter_bundle(adapter_bundle, "support-adapter", base_model="base-a", tracking_uri=uri)
+    base = register_bundle(bases["a"], "base-a", tracking_uri=uri)
+    with pytest.raises(RegistryError, match="a model of its own"):
+        register_adapter_bundle(adapter_bundle, "base-a", base_model="base-a", tracking_uri=uri)
+    ref = register_adapter_bundle(adapter_bundle, "support-adapter", base_model="base-a", tracking_uri=uri,
+                                  aliases=("champion",))
+    assert (ref.version, ref.aliases) == ("1", ["champion"])
+    assert adapter_base("support-adapter", "1", uri) == ("base-a", base.version, manifest_digest(bases["a"]))
+    version = MlflowClient(uri).get_model_version("support-adapter", "1")
+    assert f"on base-a version {base.version}" in version.description and version.tags["lora_rank"] == "4"
+    with pytest.raises(RegistryError, match="not an adapter version"):
+        adapter_base("base-a", base.version, uri)
+    local = resolve_bundle("models:/support-adapter@champion", tmp_path / "deployments", tracking_uri=uri)
+    assert verify_adapter_bundle(local, base=bases["a"]).version == "3"
+    manifest = json.loads((local / ADAPTER_MANIFEST).read_text())
+    manifest["version"] = "4"  # a cached copy someone edited: it no longer is the registered adapter
+    (local / ADAPTER_MANIFEST).write_text(json.dumps(manifest))
+    again = resolve_bundle("models:/support-adapter/1", tmp_path / "deployments", tracking_uri=uri)
+    assert again == local and read_adapter_manifest(again).version == "3"  # the damaged copy was fetched again

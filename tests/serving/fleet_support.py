@@ -49,13 +49,16 @@ def uvicorn_thread(app, port: int | None = None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def engine_thread(model_dir: Path, name: str) -> Iterator[str]:
-    """One of our engine servers on a model dir, in a thread (fast to start; shares this process)."""
+def engine_thread(model_dir: Path, name: str, lora_modules: dict[str, str] | None = None) -> Iterator[str]:
+    """One of our engine servers on a model dir, in a thread (fast to start; shares this process); with
+    ``lora_modules`` (served name -> adapter directory), serving those adapters beside the base."""
     from serving.api import build_app
     from serving.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(num_blocks=512, block_size=8, max_num_seqs=32))
-    with uvicorn_thread(build_app(engine, name)) as base:
+    config = EngineConfig(num_blocks=512, block_size=8, max_num_seqs=32, max_loras=len(lora_modules or {}))
+    engine = LLMEngine.from_pretrained(model_dir, config)
+    app = build_app(engine, name, lora_modules=lora_modules, model_dir=str(model_dir) if lora_modules else None)
+    with uvicorn_thread(app) as base:
         wait_ready(base)
         yield base
 

@@ -121,6 +121,11 @@ def test_serve_flags_beyond_the_fleets_own_go_on_to_the_snapshots_replica(tmp_pa
     assert replica_serve_flags(args) == [
         "--max-num-batched-tokens", "1024", "--no-prefix-caching", "--speculative-tokens", "4",
         "--speculative-model", str(Path("draft").resolve()), "--no-engine-process"]
+    args = parser.parse_args(["snapshot", "B", "--lora-modules", "support=adapters/s", "sales=/a/sales",
+                              "--max-loras", "2", "--admin-key-file", "admin.key"])
+    assert replica_serve_flags(args) == [
+        "--lora-modules", f"support={Path('adapters/s').resolve()}", "sales=/a/sales", "--max-loras", "2",
+        "--admin-key-file", str(Path("admin.key").resolve())]
 
 
 @pytest.fixture()

@@ -177,7 +177,8 @@ def test_shipped_example_configs_load():
     plan_file = REPO / "configs" / "rollout-plan.example.yaml"
     plan = build_dataclass(RolloutPlan, read_yaml_mapping(plan_file), key="", source=plan_file)
     assert plan.steps[-1].approval == "required"
-    assert load_gateway_config(REPO / "configs" / "gateway.example.yaml").champion.version == "3"
+    example = load_gateway_config(REPO / "configs" / "gateway.example.yaml")
+    assert example.champion.version == "3" and example.adapters == {}
     for recipe in ("default.yaml", "smoke.yaml", "drill-broken-refusals.yaml"):
         assert load_recipe(REPO / "configs" / recipe).rollout.mode == "auto"
 
