@@ -185,10 +185,11 @@ def get_version(uri: str, tracking_uri: str | None = None) -> ModelVersionRef:
 
 def find_version_by_digest(bundle_dir: str | Path, model_name: str,
                            tracking_uri: str | None = None) -> ModelVersionRef | None:
-    """The registered version of ``model_name`` whose manifest digest is this bundle's, if any."""
+    """The registered version of ``model_name`` whose manifest digest is this bundle's (a snapshot's or an
+    adapter's), if any."""
     from mlflow.exceptions import MlflowException
 
-    digest = manifest_digest(bundle_dir)
+    digest = bundle_digest(Path(bundle_dir))
     client = mlflow_client(tracking_uri)
     try:
         versions = client.search_model_versions(f"name = '{model_name}'")

@@ -52,6 +52,13 @@ def rollout_flow(rollout_dir: str, max_seconds: float | None = None) -> dict[str
 def _retire(state) -> None:
     if not state.terminal or not state.spec.fleet_dir:
         return
+    if state.spec.lane:  # an adapter's rollout: the version that lost leaves the base's replicas, which stay
+        from serving.deploy.adapter import retire_adapter
+
+        unloaded = retire_adapter(state)
+        if unloaded:
+            console.print(f"unloaded {unloaded} from the base's replicas", highlight=False)
+        return
     from serving.fleet import Fleet
 
     fleet = Fleet(state.spec.fleet_dir, state.spec.model_name, state.spec.tracking_uri)

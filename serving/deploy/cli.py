@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     for action in snapshot._actions:  # the serve parser's positional is the snapshot here
         if action.dest == "model":
             action.metavar = "SOURCE"
-            action.help = "bundle directory, or models:/NAME@ALIAS, or models:/NAME/VERSION"
+            action.help = ("bundle or adapter bundle directory, or models:/NAME@ALIAS, or models:/NAME/VERSION (an "
+                           "adapter is loaded into the base's replicas and rolled out in its own lane)")
         if action.dest == "kv_memory":
             action.default = "128MiB"
     snapshot.add_argument("--as", dest="role", choices=ROLES, default=None,
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = commands.add_parser(action, help=doc)
         _common(cmd)
         cmd.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the controller to act")
+        cmd.add_argument("--adapter", default=None, metavar="NAME",
+                         help="act on this adapter's rollout (its public name) instead of the base's")
         if action == "resume":
             cmd.add_argument("--waive", default=None, metavar="GATE[,GATE]",
                              help="go on past these inconclusive or advisory gates (recorded with your name; "

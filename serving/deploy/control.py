@@ -25,12 +25,13 @@ def fleet_dir(args: argparse.Namespace) -> Path:
     return Path(args.fleet) if args.fleet else resolve_workdir().fleet
 
 
-def rollout_state(record):
-    """The fleet's rollout in progress or last run, None before the first."""
+def rollout_state(record, adapter: str | None = None):
+    """The fleet's rollout (or ``adapter``'s) in progress or last run, None before the first."""
     from serving.rollout.state import StateFile
 
-    if record.rollout_dir and StateFile(record.rollout_dir).exists():
-        return StateFile(record.rollout_dir).load()
+    directory = record.adapter_rollouts.get(adapter) if adapter else record.rollout_dir
+    if directory and StateFile(directory).exists():
+        return StateFile(directory).load()
     return None
 
 
@@ -64,7 +65,8 @@ def follow(directory: Path, poll_s: float = 1.0) -> int:
         if state.phase in (PAUSED, AWAITING_APPROVAL):
             print(f"rollout {state.phase}: {state.reason}\n  decide in the MLflow UI (move `champion` to "
                   f"v{state.spec.candidate_version}, or tag it rollout.action = promote | rollback | resume) or "
-                  "with `deploy promote|rollback|resume`")
+                  "with `deploy promote|rollback|resume" + (f" --adapter {state.spec.lane}" if state.spec.lane else "")
+                  + "`")
             return phase_exit_status(state.phase)
         time.sleep(poll_s)
 
@@ -77,9 +79,13 @@ def deploy_action(args: argparse.Namespace) -> int:
 
     root = fleet_dir(args)
     record = Fleet.read(root)
-    state = rollout_state(record)
+    adapter = getattr(args, "adapter", None)
+    state = rollout_state(record, adapter)
     if state is None or state.terminal:
-        raise ServeError(f"{root}: no rollout in progress to {args.action}")
+        what = f"no rollout of the adapter {adapter!r}" if adapter else "no rollout"
+        raise ServeError(f"{root}: {what} in progress to {args.action}")
+    rollout_dir = record.adapter_rollouts[adapter] if adapter else record.rollout_dir
+    controller_pid = record.adapter_controllers.get(adapter) if adapter else record.controller_pid
     spec = state.spec
     console = RegistryConsole(spec.model_name, spec.tracking_uri)
     waive = waived_gates(getattr(args, "waive", None))
@@ -94,13 +100,17 @@ def deploy_action(args: argparse.Namespace) -> int:
     else:
         console.request_action(spec.candidate_version, args.action, actor())
     fleet = Fleet(root, record.model_name, record.tracking_uri)
-    if not pid_alive(record.controller_pid):  # the controller died (or was never started): resume it
-        fleet.record.controller_pid = spawn_controller(fleet, Path(record.rollout_dir))
+    if not pid_alive(controller_pid):  # the controller died (or was never started): resume it
+        pid = spawn_controller(fleet, Path(rollout_dir))
+        if adapter:
+            fleet.record.adapter_controllers[adapter] = pid
+        else:
+            fleet.record.controller_pid = pid
         fleet.save()
         print("the rollout controller was not running; restarted it (it resumes from its saved state)")
     before = len(state.decisions)
     deadline = time.monotonic() + args.wait
-    files = StateFile(record.rollout_dir)
+    files = StateFile(rollout_dir)
     while time.monotonic() < deadline:
         state = files.load()
         if len(state.decisions) > before:

@@ -20,6 +20,7 @@ from serving.deploy.standalone import serve_standalone
 
 
 def deploy_snapshot(args: argparse.Namespace) -> int:
+    from artifacts.adapter_bundle import is_adapter_bundle, verify_adapter_bundle
     from artifacts.verify import verify_bundle
 
     tracking_uri = _tracking_uri(args)
@@ -27,14 +28,30 @@ def deploy_snapshot(args: argparse.Namespace) -> int:
     from_registry = source.startswith("models:/")
     if not from_registry and not Path(source).is_dir():
         raise ServeError(f"{source}: neither a bundle directory nor a models:/ URI")
-    if not from_registry and not (Path(source) / "manifest.json").is_file():
+    if not from_registry and not (Path(source) / "manifest.json").is_file() and not is_adapter_bundle(source):
         raise ServeError(f"{source}: not a bundle (no manifest.json); `lifecycle serve` serves plain model dirs")
     ray_address = None if args.dry_run or args.standalone else _ray_address(args)
     if ray_address is not None:  # a Ray cluster that does not answer is one line, before anything is registered
         from serving.fleet.ray_backend import DEFAULT_NAMESPACE, connect
 
         connect(ray_address, DEFAULT_NAMESPACE)
-    bundle, model_name, version = _resolve(args, source, tracking_uri)
+    if not from_registry and is_adapter_bundle(source):
+        bundle, model_name, version = _register_adapter(args, Path(source).resolve(), tracking_uri)
+    else:
+        bundle, model_name, version = _resolve(args, source, tracking_uri)
+    if is_adapter_bundle(bundle):
+        adapter = verify_adapter_bundle(bundle)
+        print(f"verified adapter {adapter.name} {adapter.version} (rank {adapter.lora.rank}, on base "
+              f"{adapter.base.name} {adapter.base.version}) at {bundle}"
+              + (f" = models:/{model_name}/{version}" if version else ""), flush=True)
+        if args.dry_run:
+            return 0
+        if args.standalone:
+            raise ServeError(f"{source}: an adapter is served in its base's replicas, not alone "
+                             "(`lifecycle serve BASE --lora-modules NAME=DIR` serves both without a fleet)")
+        from serving.deploy.adapter import deploy_adapter
+
+        return deploy_adapter(args, bundle, model_name, version, tracking_uri)
     manifest = verify_bundle(bundle)
     quant = manifest.quantization.method if manifest.quantization else "none"
     print(f"verified {manifest.name} {manifest.version} ({quant}) at {bundle}"
@@ -81,6 +98,28 @@ def _resolve(args: argparse.Namespace, source: str, tracking_uri: str) -> tuple[
     if ref is None:
         ref = register_bundle(bundle, name, tracking_uri=tracking_uri,
                               description=f"{name}: registered by `deploy snapshot` from {bundle}")
+        print(f"registered {bundle} as models:/{name}/{ref.version}", flush=True)
+    return bundle, name, ref.version
+
+
+def _register_adapter(args: argparse.Namespace, bundle: Path, tracking_uri: str) -> tuple[Path, str, str | None]:
+    """An adapter bundle directory: its registered version of ``--model-name`` (default ``NAME-adapter``),
+    registered against the fleet's base model when it is not yet."""
+    from artifacts.adapter_bundle import read_adapter_manifest
+    from artifacts.adapter_registry import register_adapter_bundle
+    from artifacts.registry import find_version_by_digest
+    from serving.fleet.record import FLEET_FILE, read_record
+
+    name = args.model_name or f"{read_adapter_manifest(bundle).name}-adapter"
+    if args.dry_run or args.standalone:
+        return bundle, name, None
+    ref = find_version_by_digest(bundle, name, tracking_uri)
+    if ref is None:
+        root = fleet_dir(args)
+        if not (root / FLEET_FILE).is_file():
+            raise ServeError(f"{root}: no fleet serves a base here; deploy the base first, then its adapters")
+        ref = register_adapter_bundle(bundle, name, base_model=read_record(root).model_name,
+                                      tracking_uri=tracking_uri)
         print(f"registered {bundle} as models:/{name}/{ref.version}", flush=True)
     return bundle, name, ref.version
 
@@ -150,7 +189,7 @@ def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version
         return 0
     if installs:
         return _install(fleet, bundle, model_name, version, champion, tracking_uri, flags, waived_cause)
-    return _start_rollout(args, fleet, bundle, model_name, version, champion, tracking_uri, flags, waive, console)
+    return _start_rollout(args, fleet, bundle, model_name, version, champion, tracking_uri, flags, console)
 
 
 def _refuse_if_rolling(fleet) -> None:
@@ -177,19 +216,28 @@ def _install(fleet, bundle: Path, model_name: str, version: str, champion: str |
     return 0
 
 
-def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: str, version: str, champion: str,
-                   tracking_uri: str, flags: list[str], waive: list[str], console) -> int:
-    from serving.rollout import start_rollout
+def rollout_plan(args: argparse.Namespace, console, version: str):
+    """The plan a rollout started by this command runs (``--plan``, ``--probes``), with the gates ``--waive``
+    names requested as waived on ``version`` (the controller records who and when, as for `deploy resume`)."""
     from serving.rollout.analysis import known_gates
 
     plan = _load_plan(args.plan)
     if args.probes:
         plan.probes = replace(plan.probes, data_dir=str(Path(args.probes).resolve()))
+    waive = waived_gates(args.waive)
     unknown = [g for g in waive if g not in known_gates(plan)]
     if unknown:
         raise ServeError(f"--waive: no gate named {unknown[0]!r} (gates: {', '.join(sorted(known_gates(plan)))})")
-    if waive:  # waived from the start: the controller records who and when, as for `deploy resume --waive`
+    if waive:
         console.request_waive(version, waive, actor())
+    return plan
+
+
+def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: str, version: str, champion: str,
+                   tracking_uri: str, flags: list[str], console) -> int:
+    from serving.rollout import start_rollout
+
+    plan = rollout_plan(args, console, version)
     controller = start_rollout(fleet, model_name=model_name, version=version, bundle=bundle, champion=champion,
                                tracking_uri=tracking_uri, plan=plan,
                                start="canary" if args.role == "canary" else "shadow",

@@ -32,7 +32,10 @@ def deploy_status(args: argparse.Namespace) -> int:
               "other_gateways": record.other_gateways,
               "backend": record.backend + (f" at {record.ray_address}" if record.backend == "ray" else ""),
               "variants": _variants(routing), "adapters": adapter_rows(routing),
-              "rollout": _rollout_summary(state, pid_alive(record.controller_pid))}
+              "rollout": _rollout_summary(state, pid_alive(record.controller_pid)),
+              "adapter_rollouts": {name: _rollout_summary(rollout_state(record, name),
+                                                          pid_alive(record.adapter_controllers.get(name)))
+                                   for name in sorted(record.adapter_rollouts)}}
     if args.json:
         print(json.dumps(status, indent=2, default=str))
         return 0
@@ -123,6 +126,12 @@ def _print_status(status: dict, state) -> None:
             traffic = f"{row['weight']:g}%" if row["weight"] is not None else f"mirror {row['mirrored']:.0%}"
             adapters.add_row(row["adapter"], row["variant"], f"v{row['version']}", row["served_as"], traffic)
         console.print(adapters)
+        for name, rollout in status["adapter_rollouts"].items():
+            if rollout is not None:
+                console.print(f"  rollout of {name}: v{rollout['candidate']} vs champion v{rollout['champion']} — "
+                              f"[bold]{rollout['phase']}[/]" + (f" at {rollout['weight']:g}%" if rollout["weight"]
+                                                               else "")
+                              + (f": {rollout['reason']}" if rollout["reason"] else ""), highlight=False)
     rollout = status["rollout"]
     if rollout is None:
         console.print("no rollout yet")

@@ -274,6 +274,10 @@ class Fleet:
             args += ["--threads", str(self.threads)]
         args += serve_flags
         self._ensure_keys()
+        if _serves_adapters(serve_flags) and "--admin-key-file" not in serve_flags:
+            # adapters are loaded into a replica while it serves (`deploy snapshot` of an adapter), with the key
+            # the fleet's controller and `deploy` already hold
+            args += ["--admin-key-file", str(self.admin_key_file)]
         launch = ReplicaLaunch(str(version), str(bundle), role, served, args, list(serve_flags), self.threads,
                                f"replica-v{version}{f'-{role}' if role else ''}.log", self.gateway_urls,
                                self.admin_key())
@@ -328,6 +332,8 @@ class Fleet:
         """Stop the controller, every replica and the gateway; returns what could not be stopped (a Ray cluster
         that no longer answers keeps its actors, and the record keeps them, so a later stop can retry)."""
         terminate(self.record.controller_pid, 10)
+        for pid in self.record.adapter_controllers.values():
+            terminate(pid, 10)
         problems, kept = [], []
         for replica in list(self.record.replicas):
             try:
@@ -342,8 +348,13 @@ class Fleet:
                 problems.append(str(exc))
         terminate(self.record.gateway_pid, 10)
         self.record.replicas, self.record.gateway_pid, self.record.controller_pid = kept, None, None
+        self.record.adapter_controllers = {}
         self.save()
         return problems
+
+
+def _serves_adapters(serve_flags: Sequence[str]) -> bool:
+    return any(flag in ("--max-loras", "--lora-modules") for flag in serve_flags)
 
 
 def _identity(replica: ReplicaRecord) -> tuple:

@@ -58,6 +58,11 @@ class GatewayAdmin:
         return self._request("PUT", "/admin/routing", "changing the routing", json=patch,
                              headers={"x-lifecycle-actor": actor})
 
+    def delete_lane(self, lane: str, actor: str) -> dict[str, Any]:
+        """Remove an adapter's lane (its public name then answers 404 at this gateway)."""
+        return self._request("DELETE", f"/admin/lanes/{lane}", f"removing the lane {lane}",
+                             headers={"x-lifecycle-actor": actor})
+
     def register_replica(self, name: str, url: str, actor: str) -> dict[str, Any]:
         """Tell the gateway where a named replica answers now (routed there wherever its old address was)."""
         return self._request("PUT", f"/admin/replicas/{name}", "registering a replica", json={"url": url},

@@ -48,6 +48,10 @@ class FleetRecord:
     fleet_id: str = ""  # prefix of this fleet's actor names: several fleets can share one Ray cluster
     # gateways run elsewhere in front of the same replicas (their admin URLs; they accept the fleet's admin key)
     other_gateways: list[str] = field(default_factory=list)
+    # each adapter's rollout in progress or last run (its public name -> the rollout's directory), and the pid of
+    # its controller: adapter rollouts run in their lanes, beside the base's and one another
+    adapter_rollouts: dict[str, str] = field(default_factory=dict)
+    adapter_controllers: dict[str, int] = field(default_factory=dict)
 
     @property
     def gateway_urls(self) -> list[str]:

@@ -17,15 +17,17 @@ from serving.rollout.tracking import RolloutRun
 SMOKE_PROMPTS = ("What is 2 + 3?", "Say hello.", "How do I make a kite?")
 
 
-def smoke_check(gateway_url: str, admin_key: str, variant: str = "champion", max_tokens: int = 8) -> list[str]:
-    """A few chat requests pinned to ``variant``: each must answer 200 with a well-formed completion."""
+def smoke_check(gateway_url: str, admin_key: str, variant: str = "champion", max_tokens: int = 8,
+                model: str | None = None) -> list[str]:
+    """A few chat requests pinned to ``variant`` (of ``model``'s lane, an adapter's public name; None: the base):
+    each must answer 200 with a well-formed completion."""
     replies = []
     with httpx.Client(timeout=120, headers={"authorization": f"Bearer {admin_key}"}) as client:
         for prompt in SMOKE_PROMPTS:
             response = client.post(f"{gateway_url}/v1/chat/completions",
                                    headers={"x-lifecycle-variant": variant, "x-lifecycle-probe": "1"},
                                    json={"messages": [{"role": "user", "content": prompt}], "temperature": 0,
-                                         "max_tokens": max_tokens})
+                                         "max_tokens": max_tokens, **({"model": model} if model else {})})
             if response.status_code != 200:
                 raise RolloutError(f"smoke check: {prompt!r} answered {response.status_code}: {response.text[:200]}")
             body = response.json()
