@@ -187,9 +187,25 @@ def _into_fleet(args: argparse.Namespace, bundle: Path, model_name: str, version
         url = fleet.ensure_gateway(champion=replica)
         print(f"version {version} is already champion; serving it at {url}/v1 (model {model_name!r})")
         return 0
+    _warn_about_adapters(fleet, version)
     if installs:
         return _install(fleet, bundle, model_name, version, champion, tracking_uri, flags, waived_cause)
     return _start_rollout(args, fleet, bundle, model_name, version, champion, tracking_uri, flags, console)
+
+
+def _warn_about_adapters(fleet, version: str) -> None:
+    """A new base serves none of the adapters of the old one (an adapter is valid only on the base it was trained
+    on): once it is champion, requests for them fail until they are trained on it and deployed again."""
+    if not fleet.gateway_alive():
+        return
+    gateways = fleet.gateways()
+    try:
+        lanes = sorted(gateways.routing().get("lanes", {}))
+    finally:
+        gateways.close()
+    if lanes:
+        print(f"warning: the adapters {', '.join(lanes)} run on the current champion's replicas; v{version} will "
+              "not serve them once it is champion: train them on it and `deploy snapshot` them again", flush=True)
 
 
 def _refuse_if_rolling(fleet) -> None:

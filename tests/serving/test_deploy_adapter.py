@@ -2,7 +2,8 @@
 an adapter bundle directory registered and installed as the first champion of its lane, a wrong-base adapter
 refused with one line, a new version rolled out (A/A) in the base's replicas and promoted while traffic runs, the
 version that lost unloaded, another version rolled back by hand with `deploy rollback --adapter`, and `deploy
-status` showing the adapter's lane and rollout. Real processes: the `deploy` CLI, the fleet's gateway and replica,
+status` showing the adapter's lane and rollout; a new base's install warns that it serves none of the old one's
+adapters. Real processes: the `deploy` CLI, the fleet's gateway and replica,
 the rollout controller; a sqlite MLflow store.
 """
 
@@ -77,7 +78,7 @@ def _register(bundle: Path, tracking_uri: str, tmp: Path) -> str:
 
 
 def test_an_adapter_is_deployed_into_the_base_fleet_rolled_out_promoted_and_rolled_back(tmp_path, micro_base_dir):
-    registry = register_versions(tmp_path, {"a": micro_base_dir}, champion=False)
+    registry = register_versions(tmp_path, {"a": micro_base_dir, "a2": micro_base_dir}, champion=False)
     bundles = _adapter_bundles(tmp_path, micro_base_dir, registry.bundles["a"])
     home, fleet_dir = tmp_path / "home", tmp_path / "fleet"
     common = ["--fleet", str(fleet_dir), "--tracking-uri", registry.tracking_uri]
@@ -148,6 +149,12 @@ def test_an_adapter_is_deployed_into_the_base_fleet_rolled_out_promoted_and_roll
                 break
             time.sleep(0.5)
         assert f"support@{v2}" in served and "support@1" not in served and f"support@{v3}" not in served, served
+        # a new base serves none of the old one's adapters: its install says so before it happens
+        upgrade = deploy("snapshot", f"models:/{MODEL}/2", *common, *serve, "--max-loras", "2", "--as", "champion",
+                         home=home)
+        assert upgrade.returncode == 0, upgrade.stderr[-2000:]
+        assert "warning: the adapters support run on the current champion's replicas; v2 will not serve them" \
+            in upgrade.stdout
     finally:
         stop = deploy("stop", *common, home=home)
         assert stop.returncode == 0, stop.stderr
