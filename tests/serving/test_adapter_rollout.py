@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,58 +52,67 @@ class AdapterFleet:
     tracking_uri: str
     versions: dict[str, str]  # adapter label -> version of support-adapter
     gateway: object
+    sales_versions: dict[str, str]  # the same for sales-adapter, when the fleet registered sales versions
 
-    def spec(self, champion: str, candidate: str, plan, start: str = "shadow") -> RolloutSpec:
-        """An adapter's rollout: both versions inside the base's replica, judged in the `support` lane."""
-        return RolloutSpec(model_name=ADAPTER_MODEL, candidate_version=self.versions[candidate],
-                           champion_version=self.versions[champion], candidate_replicas=[], champion_replicas=[],
-                           candidate_served_model=f"support@{self.versions[candidate]}",
-                           champion_served_model=f"support@{self.versions[champion]}", lane="support",
+    def spec(self, champion: str, candidate: str, plan, start: str = "shadow", public: str = "support"
+             ) -> RolloutSpec:
+        """An adapter's rollout: both versions inside the base's replica, judged in the adapter's lane."""
+        versions = self.versions if public == "support" else self.sales_versions
+        return RolloutSpec(model_name=f"{public}-adapter", candidate_version=versions[candidate],
+                           champion_version=versions[champion], candidate_replicas=[], champion_replicas=[],
+                           candidate_served_model=f"{public}@{versions[candidate]}",
+                           champion_served_model=f"{public}@{versions[champion]}", lane=public,
                            gateway_url=self.gateway_url, admin_key_file=self.admin_key_file,
                            tracking_uri=self.tracking_uri, plan=plan, start=start)
 
 
 @contextlib.contextmanager
-def adapter_fleet(tmp: Path, tiny_model_dir: Path, adapter_dirs: dict[str, Path], labels: list[str]):
+def adapter_fleet(tmp: Path, tiny_model_dir: Path, adapter_dirs: dict[str, Path], labels: list[str],
+                  sales_labels: tuple[str, ...] = ("sales",)):
     """The base registered as `micro` (champion), `labels` bundled against it and registered in order as versions
-    of `support-adapter` (the first is champion, every one passed its offline gates), one replica of the base
-    bundle serving each as `support@VERSION` and `sales` as `sales@1`, and a gateway with both lanes."""
+    of `support-adapter` (the first is champion, every one passed its offline gates), `sales_labels` likewise as
+    versions of `sales-adapter`, one replica of the base bundle serving each as `support@VERSION` and
+    `sales@VERSION`, and a gateway with both lanes."""
     from artifacts.adapter_bundle import write_adapter_bundle
     from artifacts.adapter_registry import register_adapter_bundle
 
     registry = register_versions(tmp, {"base": tiny_model_dir})
     base_bundle = registry.bundles["base"]
-    versions, modules = {}, {}
+    versions: dict[str, dict[str, str]] = {"support": {}, "sales": {}}
+    modules = {}
     cwd = os.getcwd()
     os.chdir(tmp)  # the registration runs' artifacts land in the temp dir
     try:
-        for i, label in enumerate(labels):
-            bundle = write_adapter_bundle(adapter_dirs[label.split("#")[0]], tmp / f"adapter-{i}", base_bundle,
-                                          name="support", version=str(i + 1))
-            ref = register_adapter_bundle(bundle, ADAPTER_MODEL, base_model=MODEL,
-                                          tracking_uri=registry.tracking_uri, aliases=("champion",) if i == 0 else ())
-            MlflowClient(registry.tracking_uri).set_model_version_tag(ADAPTER_MODEL, ref.version,
-                                                                      "lifecycle.gates_passed", "true")
-            versions[label], modules[f"support@{ref.version}"] = ref.version, str(bundle)
+        for public, public_labels in (("support", labels), ("sales", sales_labels)):
+            for i, label in enumerate(public_labels):
+                bundle = write_adapter_bundle(adapter_dirs[label.split("#")[0]], tmp / f"{public}-{i}", base_bundle,
+                                              name=public, version=str(i + 1))
+                ref = register_adapter_bundle(bundle, f"{public}-adapter", base_model=MODEL,
+                                              tracking_uri=registry.tracking_uri,
+                                              aliases=("champion",) if i == 0 else ())
+                MlflowClient(registry.tracking_uri).set_model_version_tag(f"{public}-adapter", ref.version,
+                                                                          "lifecycle.gates_passed", "true")
+                versions[public][label], modules[f"{public}@{ref.version}"] = ref.version, str(bundle)
     finally:
         os.chdir(cwd)
-    modules["sales@1"] = str(adapter_dirs["sales"])
     keys_file = tmp / "keys.json"
     user, admin = make_keys(keys_file, rpm=1e6, tpm=1e9)
     admin_file = tmp / "admin.key"
     admin_file.write_text(admin)
-    champion = f"support@{versions[labels[0]]}"
+    support, sales = versions["support"], versions["sales"]
     with engine_thread(base_bundle, "base", lora_modules=modules) as replica:
         config = GatewayConfig(port=free_port(), model_name=MODEL, state_dir=str(tmp / "gateway"),
                                keys_file=str(keys_file), champion=VariantConfig([replica], registry.versions["base"],
                                                                                 "base"),
-                               adapters={"support": AdapterConfig(champion, versions[labels[0]]),
-                                         "sales": AdapterConfig("sales@1", "1")})
+                               adapters={"support": AdapterConfig(f"support@{support[labels[0]]}",
+                                                                  support[labels[0]]),
+                                         "sales": AdapterConfig(f"sales@{sales[sales_labels[0]]}",
+                                                                sales[sales_labels[0]])})
         config.health.interval_s = 0.2
         app = build_gateway_app(config, seed=0)
         with uvicorn_thread(app, config.port) as gateway_url:
-            yield AdapterFleet(gateway_url, replica, user, str(admin_file), registry.tracking_uri, versions,
-                               app.state.gateway)
+            yield AdapterFleet(gateway_url, replica, user, str(admin_file), registry.tracking_uri, support,
+                               app.state.gateway, sales)
 
 
 def _aliases(tracking_uri: str, model: str) -> dict[str, str]:
@@ -263,3 +273,53 @@ def test_a_lane_splits_its_own_users_sticky_and_refuses_replicas_of_its_own(tmp_
         removed = httpx.delete(f"{f.gateway_url}/admin/lanes/sales", headers=admin)
         assert removed.status_code == 200 and "sales" not in removed.json()["lanes"]
         assert _ask(f.gateway_url, f.user_key, "sales").status_code == 404
+        # a restarted gateway restores every lane as it was left (routing.json)
+        from serving.gateway.routing import RoutingState, RoutingStore
+
+        restored = RoutingStore(tmp_path / "gateway", RoutingState())
+        assert restored.restored and restored.state.lanes == f.gateway.routing.state.lanes
+        assert restored.state.lanes["support"].canary_weight == 30
+
+
+def test_two_adapters_roll_out_at_once_each_judged_in_its_own_lane(tmp_path, tiny_model_dir, adapter_dirs):
+    """Two controllers at once, one per lane: `support`'s A/A release is promoted while `sales`'s canary, under the
+    gateway's delay drill on that lane alone (a fault injected on purpose), is rolled back; each alias moves on its
+    own registered model, and neither rollout's evidence holds the other's requests."""
+    plan = fast_plan(steps=[CanaryStep(30, seconds=4, min_requests=5, min_keys=5),
+                            CanaryStep(60, seconds=4, min_requests=5, min_keys=5)])
+    with adapter_fleet(tmp_path, tiny_model_dir, adapter_dirs, ["support", "support#2"],
+                       sales_labels=("sales", "sales#2")) as f:
+        admin = {"authorization": f"Bearer {open(f.admin_key_file).read()}"}
+        httpx.put(f"{f.gateway_url}/admin/lanes/sales", headers=admin,
+                  json={"faults": {"canary": {"delay_ms": 300}}}).raise_for_status()
+        support = Controller.create(tmp_path / "support", f.spec("support", "support#2", plan, start="canary"))
+        sales = Controller.create(tmp_path / "sales", f.spec("sales", "sales#2", plan, start="canary",
+                                                             public="sales"))
+        spec = TrafficSpec(concurrency=2, max_tokens=12)
+        traffic = [TrafficGenerator(f.gateway_url, f.user_key, spec, model="support").start(),
+                   TrafficGenerator(f.gateway_url, f.user_key, TrafficSpec(concurrency=2, max_tokens=12, seed=1),
+                                    model="sales").start()]
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                done = [pool.submit(c.run_until_done, 150, stop_when_waiting=True) for c in (support, sales)]
+                support_state, sales_state = (d.result() for d in done)
+        finally:
+            stats = [t.stop() for t in traffic]
+        assert support_state.phase == "promoted", (support_state.reason,
+                                                   [a["summary"] for a in support_state.analyses])
+        assert sales_state.phase == "rolled_back" and "ttft_ratio" in sales_state.reason, sales_state.reason
+        assert sum(s.user_errors for s in stats) == 0
+        assert _aliases(f.tracking_uri, "support-adapter") == {"champion": f.versions["support#2"],
+                                                               "previous-champion": f.versions["support"]}
+        assert _aliases(f.tracking_uri, "sales-adapter") == {"champion": f.sales_versions["sales"]}
+        lanes = f.gateway.routing.state.lanes
+        assert lanes["support"].champion.served_model == f"support@{f.versions['support#2']}"
+        assert lanes["sales"].champion.served_model == f"sales@{f.sales_versions['sales']}"
+        # each rollout was judged on its own lane's requests: the drill delayed sales's canary alone (support was
+        # promoted beside it), and the lanes' windows hold the two canaries apart
+        since = min(support_state.started_at, sales_state.started_at)
+        canary_ttft = {}
+        for lane in ("support", "sales"):
+            rows = [r for r in f.gateway.store.window(since, lane=lane)["variants"] if r["variant"] == "canary"]
+            canary_ttft[lane] = statistics.median(x for r in rows for x in r["ttft_ms"])
+        assert canary_ttft["sales"] > canary_ttft["support"] + 250, canary_ttft
