@@ -7,7 +7,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-SCENARIOS = ("aa", "ttft", "ttft25", "itl", "errors", "sampled", "slice", "refusals", "accuracy", "slow")
+SCENARIOS = ("aa", "ttft", "ttft25", "itl", "errors", "sampled", "slice", "refusals", "accuracy", "slow",
+             "adapter-aa", "adapter-task", "adapter-ttft25")
+NULL_SCENARIOS = ("aa", "adapter-aa")  # A/A: anything but a promotion is a false alarm
 TITLES = {"aa": "A/A (champion vs itself)", "ttft": "TTFT +50% (gateway delay on the canary)",
           "ttft25": "TTFT +25% (gateway delay on the canary)",
           "itl": "ITL +30% only (gateway token-gap floor on the canary; same TTFT)",
@@ -15,7 +17,10 @@ TITLES = {"aa": "A/A (champion vs itself)", "ttft": "TTFT +50% (gateway delay on
           "sampled": "lost sampled accuracy only (champion's weights, a hotter default temperature)",
           "slice": "one slice only (champion's weights; its record loses half of one slice)",
           "refusals": "lost refusals (drill bundle)",
-          "accuracy": "lost task accuracy (base model)", "slow": "slow candidate (HF forward, 1 sequence)"}
+          "accuracy": "lost task accuracy (base model)", "slow": "slow candidate (HF forward, 1 sequence)",
+          "adapter-aa": "adapter A/A (the champion adapter vs itself, in the same replica)",
+          "adapter-task": "adapter that lost the task (its B ×25)",
+          "adapter-ttft25": "adapter TTFT +25% (gateway delay on the lane's canary)"}
 
 
 @dataclass
@@ -77,7 +82,7 @@ def markdown(outcomes: list[RunOutcome], scenario_seconds: dict[str, float], pla
         k = len(runs)
         count = Counter(o.phase for o in runs)
         other = k - count["promoted"] - count["rolled_back"] - count["paused"]
-        if name == "aa":
+        if name in NULL_SCENARIOS:
             result = (f"false rollbacks {_share(count['rolled_back'], k)}, false pauses "
                       f"{_share(count['paused'], k)}")
         else:

@@ -21,6 +21,9 @@ behind the gateway (all on 127.0.0.1), with replayed held-out traffic:
   model), **slow** (the champion's bundle served with the Hugging Face forward, one sequence at a time:
   `--model-impl hf --max-num-seqs 1`).
 
+The adapter scenarios (**adapter-aa**, **adapter-task**, **adapter-ttft25**) roll out LoRA adapter versions inside
+the champion's replica, in the adapter's lane at the gateway (``calibration_adapters.py``).
+
 Cost: the gateway and the champion replica start once; each scenario starts its candidate and baseline replicas
 once and reuses them for its K rollouts (each rollout in a fresh directory, with its own split salt, so each
 samples other users). The candidate keeps one registered version per scenario; after each rollout the aliases
@@ -54,6 +57,8 @@ from typing import Any
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
+from benchmarks.calibration_adapters import ADAPTER_SCENARIOS, AdapterScenarios  # noqa: E402
+from benchmarks.calibration_adapters import SERVE_FLAGS as ADAPTER_SERVE_FLAGS  # noqa: E402
 from benchmarks.calibration_artifacts import (  # noqa: E402
     Artifacts,
     CalibrationError,
@@ -64,6 +69,7 @@ from benchmarks.calibration_artifacts import (  # noqa: E402
     sliced_record,
 )
 from benchmarks.calibration_outcomes import (  # noqa: E402
+    NULL_SCENARIOS,
     SCENARIOS,
     TITLES,
     RunOutcome,
@@ -101,6 +107,7 @@ class Calibration:
         self.scenario_seconds: dict[str, float] = {}
         self.notes: list[str] = []
         self.code = code_version()  # at the start: what the replicas, the gateway and the controller run
+        self.adapters: AdapterScenarios | None = None
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
@@ -122,8 +129,14 @@ class Calibration:
             os.chdir(cwd)
         self.fleet = Fleet(self.work / "fleet", self.art.model_name, self.registry.tracking_uri,
                            threads=self.args.threads, kv_memory=self.args.kv_memory)
-        self.champion = self.fleet.start_replica(self.art.champion, self.registry.versions["champion"], warmup=4)
+        with_adapters = any(s in ADAPTER_SCENARIOS for s in self.args.scenarios)
+        # adapter slots only when adapters are calibrated: the snapshot scenarios keep the replica they always had
+        self.champion = self.fleet.start_replica(self.art.champion, self.registry.versions["champion"], warmup=4,
+                                                 serve_flags=ADAPTER_SERVE_FLAGS if with_adapters else ())
         self.fleet.ensure_gateway(champion=self.champion)
+        if with_adapters:
+            self.adapters = AdapterScenarios(self)
+            self.adapters.prepare()
 
     def stop(self) -> None:
         if self.fleet is not None:
@@ -221,6 +234,9 @@ class Calibration:
     def run_scenario(self, scenario: str, k: int, progress, task) -> None:
         from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 
+        if scenario in ADAPTER_SCENARIOS:
+            self.adapters.run_scenario(scenario, k, progress, task)
+            return
         started = time.perf_counter()
         version, bundle, flags = self.candidate_for(scenario)
         progress.update(task, description=f"{scenario}: starting candidate v{version} and baseline replicas")
@@ -234,14 +250,7 @@ class Calibration:
             for i in range(1, k + 1):
                 progress.update(task, description=f"{scenario} {i}/{k}")
                 outcome = self.one_rollout(scenario, i, version, candidate, baseline, fault, progress, task)
-                self.outcomes.append(outcome)
-                progress.advance(task)
-                detail = f" at {outcome.decided_at}" if outcome.decided_at else ""
-                gates = outcome.fired or outcome.inconclusive
-                why = f" ({', '.join(gates)})" if gates and outcome.phase != "promoted" else ""
-                progress.console.print(f"  {scenario} {i}/{k}: {outcome.phase}{detail}{why} in "
-                                       f"{outcome.seconds / 60:.1f} min", highlight=False)
-                self.save()
+                self.record(scenario, i, k, outcome, progress, task)
         finally:
             stats = generator.stop()
             self.log(f"[{scenario}] traffic: {stats.sent} requests, statuses {dict(stats.statuses)}, by variant "
@@ -251,11 +260,20 @@ class Calibration:
             self.fleet.stop_replica(baseline)
             self.scenario_seconds[scenario] = time.perf_counter() - started
 
+    def record(self, scenario: str, run: int, k: int, outcome: RunOutcome, progress, task) -> None:
+        self.outcomes.append(outcome)
+        progress.advance(task)
+        detail = f" at {outcome.decided_at}" if outcome.decided_at else ""
+        gates = outcome.fired or outcome.inconclusive
+        why = f" ({', '.join(gates)})" if gates and outcome.phase != "promoted" else ""
+        progress.console.print(f"  {scenario} {run}/{k}: {outcome.phase}{detail}{why} in "
+                               f"{outcome.seconds / 60:.1f} min", highlight=False)
+        self.save()
+
     def one_rollout(self, scenario: str, run: int, version: str, candidate, baseline, fault: dict, progress,
                     task) -> RunOutcome:
         from dataclasses import replace
 
-        from serving.rollout.controller import Controller
         from serving.rollout.state import RolloutSpec
 
         self.registry.reset_aliases(self.registry.versions["champion"])
@@ -267,6 +285,12 @@ class Calibration:
                            champion_served_model=self.champion.served_model, baseline_replicas=[baseline.url],
                            gateway_url=self.fleet.record.gateway_url, admin_key_file=str(self.fleet.admin_key_file),
                            tracking_uri=self.registry.tracking_uri, plan=plan, start="shadow")
+        return self.drive(scenario, run, spec, fault, progress, task)
+
+    def drive(self, scenario: str, run: int, spec, fault: dict, progress, task) -> RunOutcome:
+        """One rollout of ``spec`` by the project's controller, to its end (or a pause), as a RunOutcome."""
+        from serving.rollout.controller import Controller
+
         directory = self.work / "rollouts" / f"{scenario}-{run:02d}"
 
         def say(line: str) -> None:
@@ -421,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         calibration = Calibration(args, art, plan, traffic, log)
         with console.status("starting the gateway and the champion replica"):
             calibration.start()
-        ks = {s: (args.k if s == "aa" or args.k_regressions is None else args.k_regressions) for s in args.scenarios}
+        ks = {s: (args.k if s in NULL_SCENARIOS or args.k_regressions is None else args.k_regressions)
+              for s in args.scenarios}
         columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("rollouts", total=sum(ks.values()))

@@ -22,6 +22,10 @@ the gateway where it answers now (``register``). The gateway swaps the new addre
 was routed, and remembers the move, so a later routing change that still names the old address (a
 controller holding the URLs its rollout started with) reaches the replica where it is.
 
+Adapter lanes: each LoRA adapter the champion's replicas serve can have a public name of its own, routed by a
+``Lane`` of its own (``RoutingState.lanes``): its variants are adapter versions inside the champion's replicas,
+split with its own weight and salt, so an adapter is rolled out like a snapshot, and several at once.
+
 The state is persisted with an atomic write on every change, with a generation number so two writers
 (a person and the controller) cannot silently overwrite each other (the admin API checks it).
 """
@@ -153,7 +157,7 @@ class RoutingState(Lane):
         return self if not lane else self.lanes.get(lane, AdapterLane())
 
     def validate(self, where: str = "") -> None:
-        super().validate()
+        super().validate(where)
         for name in VARIANT_NAMES:
             for url in self.variant(name).replicas:
                 if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -195,11 +199,8 @@ class RoutingState(Lane):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoutingState:
-        data = dict(data)
         try:
-            for name in VARIANT_NAMES:
-                data[name] = Variant(**(data.get(name) or {}))
-            data["faults"] = {k: Fault(**v) for k, v in (data.get("faults") or {}).items()}
+            data = _with_variants(data)
             data["lanes"] = {public: adapter_lane_from_json(lane, f"lanes.{public}.")
                              for public, lane in (data.get("lanes") or {}).items()}
             state = cls(**data)
@@ -216,12 +217,8 @@ def adapter_lane_from_json(data: object, where: str) -> AdapterLane:
     """An adapter lane from its JSON; a lane naming replicas of its own is refused (it has none)."""
     if not isinstance(data, dict):
         raise ValueError(f"{where[:-1]}: a lane is an object of variants and weights")
-    data = dict(data)
     try:
-        for name in VARIANT_NAMES:
-            data[name] = Variant(**(data.get(name) or {}))
-        data["faults"] = {k: Fault(**v) for k, v in (data.get("faults") or {}).items()}
-        lane = AdapterLane(**data)
+        lane = AdapterLane(**_with_variants(data))
     except TypeError as exc:
         raise ValueError(f"{where}{exc}") from None
     for name in VARIANT_NAMES:
@@ -230,6 +227,15 @@ def adapter_lane_from_json(data: object, where: str) -> AdapterLane:
                              "has none of its own")
     lane.validate(where)
     return lane
+
+
+def _with_variants(data: dict[str, Any]) -> dict[str, Any]:
+    """A lane's JSON with its variants and faults as objects (TypeError on an unknown field)."""
+    data = dict(data)
+    for name in VARIANT_NAMES:
+        data[name] = Variant(**(data.get(name) or {}))
+    data["faults"] = {k: Fault(**v) for k, v in (data.get("faults") or {}).items()}
+    return data
 
 
 def bucket_of(salt: str, key: str) -> int:

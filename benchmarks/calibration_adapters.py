@@ -1,0 +1,174 @@
+"""The rollout calibration's adapter scenarios (issue 33, item 6): rollouts of LoRA adapter versions inside the
+champion's replica, in the adapter's lane at the gateway, judged with the same plan as a snapshot's.
+
+- **adapter-aa**: A/A. The champion adapter registered again as a new version of ``support-adapter``.
+- **adapter-task**: an adapter that lost the task: the champion adapter's A with a B 25 times larger, which breaks
+  the base's answers (the probes' accuracy, the shadow's agreement).
+- **adapter-ttft25**: TTFT +25% on the lane's canary only (the gateway's delay drill on the lane), sized from the
+  adapter A/A runs' baseline.
+
+The adapters are PEFT adapters of the champion bundle on every projection, rank 8, with a seeded random B (PEFT
+starts B at zero, which would make an adapter the base itself), not trained ones: the champion adapter's B is small
+(scale 0.02), so it keeps the base's answers and a loss is visible against it. Every version is registered with
+its offline gates passed (no eval record of an adapter exists yet), so the online gates decide.
+
+One replica serves all of them (the champion's, started with adapter slots); nothing is started per scenario.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+PUBLIC = "support"
+ADAPTER_MODEL = f"{PUBLIC}-adapter"
+ADAPTER_SCENARIOS = ("adapter-aa", "adapter-task", "adapter-ttft25")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CHAMPION_SCALE, LOST_SCALE = 0.02, 0.5
+SERVE_FLAGS = ["--max-loras", "4", "--max-lora-rank", "8"]
+
+
+def random_adapter(model_dir: Path, out: Path, *, seed: int, scale: float, rank: int = 8) -> Path:
+    """A PEFT adapter of ``model_dir`` on every projection with B ~ N(0, scale²) (seeded), saved to ``out``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if (out / "adapter_config.json").is_file():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_A" in name:  # the same A for every scale of one seed: only B's size differs
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    peft.save_pretrained(out)
+    return out
+
+
+class AdapterScenarios:
+    """The adapters, their registered versions and the lane, set up once for every adapter scenario."""
+
+    def __init__(self, calibration) -> None:
+        self.cal = calibration
+        self.versions: dict[str, str] = {}  # label -> version of support-adapter
+        self.bundles: dict[str, Path] = {}
+
+    def prepare(self) -> None:
+        from artifacts.adapter_bundle import write_adapter_bundle
+        from artifacts.adapter_registry import register_adapter_bundle
+        from serving.deploy.adapter import load_adapter
+
+        cal = self.cal
+        root = cal.work / "adapters"
+        root.mkdir(parents=True, exist_ok=True)
+        champion = random_adapter(cal.art.champion, root / "peft-champion", seed=0, scale=CHAMPION_SCALE)
+        lost = random_adapter(cal.art.champion, root / "peft-lost", seed=0, scale=LOST_SCALE)
+        cwd = os.getcwd()
+        os.chdir(cal.work)
+        try:
+            for i, (label, peft) in enumerate((("champion", champion), ("champion-again", champion),
+                                               ("lost-task", lost))):
+                bundle = write_adapter_bundle(peft, root / f"bundle-{label}", cal.art.champion, name=PUBLIC,
+                                              version=str(i + 1))
+                ref = register_adapter_bundle(bundle, ADAPTER_MODEL, base_model=cal.art.model_name,
+                                              tracking_uri=cal.registry.tracking_uri,
+                                              aliases=("champion",) if label == "champion" else ())
+                cal.registry.client.set_model_version_tag(ADAPTER_MODEL, ref.version, "lifecycle.gates_passed",
+                                                          "true")
+                self.versions[label], self.bundles[label] = ref.version, bundle
+                load_adapter(cal.champion.url, self.served(label), bundle, cal.fleet.admin_key())
+        finally:
+            os.chdir(cwd)
+
+    def served(self, label: str) -> str:
+        return f"{PUBLIC}@{self.versions[label]}"
+
+    def candidate(self, scenario: str) -> str:
+        return "lost-task" if scenario == "adapter-task" else "champion-again"
+
+    def fault(self, scenario: str) -> dict[str, Any]:
+        if scenario == "adapter-ttft25":
+            return {"canary": {"delay_ms": round(0.25 * self.reference_ttft_ms(), 2)}}
+        return {}
+
+    def reference_ttft_ms(self) -> float:
+        import statistics
+
+        values = [a["metrics"]["baseline.ttft_ms_p50"] for o in self.cal.outcomes if o.scenario == "adapter-aa"
+                  for a in o.analyses if "baseline.ttft_ms_p50" in a.get("metrics", {})]
+        if not values:
+            from benchmarks.calibration_artifacts import CalibrationError
+
+            raise CalibrationError("adapter-ttft25 is sized from the adapter A/A runs: add adapter-aa to --scenarios")
+        ms = statistics.median(values)
+        self.cal.notes.append(f"adapter TTFT drill sized from {ms:.2f} ms, the median of the baseline adapter's TTFT "
+                              f"p50 over {len(values)} adapter A/A canary analyses")
+        return ms
+
+    def route_champion_only(self, faults: dict[str, Any]) -> None:
+        from serving.fleet.gateway_client import GatewayAdmin
+
+        none = {"replicas": [], "version": "", "served_model": ""}
+        gateway = GatewayAdmin(self.cal.fleet.record.gateway_url, self.cal.fleet.admin_key(), lane=PUBLIC)
+        try:
+            gateway.set_routing({"champion": {"replicas": [], "version": self.versions["champion"],
+                                              "served_model": self.served("champion")},
+                                 "canary": none, "baseline": none, "shadow": none, "canary_weight": 0.0,
+                                 "shadow_fraction": 0.0, "faults": faults}, actor="rollout calibration")
+        finally:
+            gateway.close()
+
+    def reset_aliases(self) -> None:
+        from mlflow.exceptions import MlflowException
+
+        client = self.cal.registry.client
+        client.set_registered_model_alias(ADAPTER_MODEL, "champion", self.versions["champion"])
+        for alias in ("canary", "shadow", "previous-champion"):
+            try:
+                client.delete_registered_model_alias(ADAPTER_MODEL, alias)
+            except MlflowException:
+                pass
+
+    def run_scenario(self, scenario: str, k: int, progress, task) -> None:
+        from serving.rollout.traffic import TrafficGenerator, TrafficSpec
+
+        cal = self.cal
+        started = time.perf_counter()
+        fault = self.fault(scenario)
+        self.route_champion_only(fault)
+        generator = TrafficGenerator(cal.fleet.record.gateway_url, cal.fleet.user_key(),
+                                     TrafficSpec(data_dir=str(cal.art.data_dir), **cal.traffic), model=PUBLIC).start()
+        try:
+            for i in range(1, k + 1):
+                progress.update(task, description=f"{scenario} {i}/{k}")
+                outcome = self.one_rollout(scenario, i, fault, progress, task)
+                cal.record(scenario, i, k, outcome, progress, task)
+        finally:
+            stats = generator.stop()
+            cal.log(f"[{scenario}] traffic: {stats.sent} requests, statuses {dict(stats.statuses)}, errors seen by "
+                    f"users {stats.user_errors}")
+            self.route_champion_only({})
+            cal.scenario_seconds[scenario] = time.perf_counter() - started
+
+    def one_rollout(self, scenario: str, run: int, fault: dict[str, Any], progress, task):
+        from serving.rollout.state import RolloutSpec
+
+        self.reset_aliases()
+        self.route_champion_only(fault)
+        cal = self.cal
+        candidate = self.candidate(scenario)
+        plan = replace(cal.plan, probes=replace(cal.plan.probes, data_dir=str(cal.art.data_dir)))
+        spec = RolloutSpec(model_name=ADAPTER_MODEL, candidate_version=self.versions[candidate],
+                           champion_version=self.versions["champion"], candidate_replicas=[], champion_replicas=[],
+                           candidate_served_model=self.served(candidate),
+                           champion_served_model=self.served("champion"), lane=PUBLIC,
+                           gateway_url=cal.fleet.record.gateway_url, admin_key_file=str(cal.fleet.admin_key_file),
+                           tracking_uri=cal.registry.tracking_uri, plan=plan, start="shadow")
+        return cal.drive(scenario, run, spec, fault, progress, task)
