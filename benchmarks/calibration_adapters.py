@@ -119,25 +119,9 @@ class AdapterScenarios:
         import statistics
 
         from benchmarks.calibration_artifacts import CalibrationError
-        from serving.fleet.gateway_client import GatewayAdmin
-        from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 
-        cal = self.cal
         self.route_champion_only({})
-        generator = TrafficGenerator(cal.fleet.record.gateway_url, cal.fleet.user_key(),
-                                     TrafficSpec(data_dir=str(cal.art.data_dir), **cal.traffic), model=PUBLIC).start()
-        try:
-            time.sleep(3)
-            since = time.time()
-            time.sleep(20)
-            gateway = GatewayAdmin(cal.fleet.record.gateway_url, cal.fleet.admin_key(), lane=PUBLIC)
-            try:
-                window = gateway.window(since, time.time())
-            finally:
-                gateway.close()
-        finally:
-            generator.stop()
-        samples = [x for r in window["variants"] if r["variant"] == "champion" for x in r["ttft_ms"]]
+        samples = self.cal.champion_samples("ttft_ms", PUBLIC, lane=PUBLIC)
         if not samples:
             raise CalibrationError("no TTFT measured for the champion adapter in 20 s of traffic")
         return statistics.median(samples)
@@ -167,23 +151,14 @@ class AdapterScenarios:
                 pass
 
     def run_scenario(self, scenario: str, k: int, progress, task) -> None:
-        from serving.rollout.traffic import TrafficGenerator, TrafficSpec
-
         cal = self.cal
         started = time.perf_counter()
         fault = self.fault(scenario)
         self.route_champion_only(fault)
-        generator = TrafficGenerator(cal.fleet.record.gateway_url, cal.fleet.user_key(),
-                                     TrafficSpec(data_dir=str(cal.art.data_dir), **cal.traffic), model=PUBLIC).start()
         try:
-            for i in range(1, k + 1):
-                progress.update(task, description=f"{scenario} {i}/{k}")
-                outcome = self.one_rollout(scenario, i, fault, progress, task)
-                cal.record(scenario, i, k, outcome, progress, task)
+            cal.rollouts_under_traffic(scenario, k, PUBLIC, progress, task,
+                                       lambda i: self.one_rollout(scenario, i, fault, progress, task))
         finally:
-            stats = generator.stop()
-            cal.log(f"[{scenario}] traffic: {stats.sent} requests, statuses {dict(stats.statuses)}, errors seen by "
-                    f"users {stats.user_errors}")
             self.route_champion_only({})
             cal.scenario_seconds[scenario] = time.perf_counter() - started
 

@@ -206,24 +206,9 @@ class Calibration:
             self.notes.append(f"{increase} drills sized from {ms:.2f} ms, the median of the baseline's {increase} p50 "
                               f"over {len(values)} A/A canary analyses")
             return ms
-        from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 
         self._route_champion_only({})
-        generator = TrafficGenerator(self.fleet.record.gateway_url, self.fleet.user_key(),
-                                     TrafficSpec(data_dir=str(self.art.data_dir), **self.traffic),
-                                     model=self.art.model_name).start()
-        try:
-            time.sleep(3)
-            since = time.time()
-            time.sleep(20)
-            gateway = self._gateway()
-            try:
-                window = gateway.window(since, time.time())
-            finally:
-                gateway.close()
-        finally:
-            generator.stop()
-        samples = [x for r in window["variants"] if r["variant"] == "champion" for x in r[metric]]
+        samples = self.champion_samples(metric, self.art.model_name)
         if not samples:
             raise CalibrationError(f"no {increase} measured for the champion in 20 s of traffic")
         ms = statistics.median(samples)
@@ -231,8 +216,28 @@ class Calibration:
                           f"{len(samples)} requests (no A/A runs in this calibration)")
         return ms
 
-    def run_scenario(self, scenario: str, k: int, progress, task) -> None:
+    def champion_samples(self, metric: str, model: str, lane: str = "") -> list[float]:
+        """``metric`` (ttft_ms, itl_ms) of the champion's requests over 20 s of the calibration's traffic to
+        ``model`` (an adapter's public name with its ``lane``), after 3 s of warm-up."""
+        from serving.fleet.gateway_client import GatewayAdmin
         from serving.rollout.traffic import TrafficGenerator, TrafficSpec
+
+        generator = TrafficGenerator(self.fleet.record.gateway_url, self.fleet.user_key(),
+                                     TrafficSpec(data_dir=str(self.art.data_dir), **self.traffic), model=model).start()
+        try:
+            time.sleep(3)
+            since = time.time()
+            time.sleep(20)
+            gateway = GatewayAdmin(self.fleet.record.gateway_url, self.fleet.admin_key(), lane=lane)
+            try:
+                window = gateway.window(since, time.time())
+            finally:
+                gateway.close()
+        finally:
+            generator.stop()
+        return [x for r in window["variants"] if r["variant"] == "champion" for x in r[metric]]
+
+    def run_scenario(self, scenario: str, k: int, progress, task) -> None:
 
         if scenario in ADAPTER_SCENARIOS:
             self.adapters.run_scenario(scenario, k, progress, task)
@@ -243,22 +248,29 @@ class Calibration:
         candidate, baseline = self.fleet.start_rollout_replicas(bundle, version, self.champion, serve_flags=flags)
         fault = self.fault_for(scenario)
         self._route_champion_only(fault)
-        generator = TrafficGenerator(self.fleet.record.gateway_url, self.fleet.user_key(),
-                                     TrafficSpec(data_dir=str(self.art.data_dir), **self.traffic),
-                                     model=self.art.model_name).start()
         try:
-            for i in range(1, k + 1):
-                progress.update(task, description=f"{scenario} {i}/{k}")
-                outcome = self.one_rollout(scenario, i, version, candidate, baseline, fault, progress, task)
-                self.record(scenario, i, k, outcome, progress, task)
+            self.rollouts_under_traffic(scenario, k, self.art.model_name, progress, task, lambda i: self.one_rollout(
+                scenario, i, version, candidate, baseline, fault, progress, task))
         finally:
-            stats = generator.stop()
-            self.log(f"[{scenario}] traffic: {stats.sent} requests, statuses {dict(stats.statuses)}, by variant "
-                     f"{dict(stats.variants)}, errors seen by users {stats.user_errors}")
             self._route_champion_only({})
             self.fleet.stop_replica(candidate)
             self.fleet.stop_replica(baseline)
             self.scenario_seconds[scenario] = time.perf_counter() - started
+
+    def rollouts_under_traffic(self, scenario: str, k: int, model: str, progress, task, one_rollout) -> None:
+        """``k`` rollouts (``one_rollout(run)`` each) while the calibration's traffic goes to ``model``."""
+        from serving.rollout.traffic import TrafficGenerator, TrafficSpec
+
+        generator = TrafficGenerator(self.fleet.record.gateway_url, self.fleet.user_key(),
+                                     TrafficSpec(data_dir=str(self.art.data_dir), **self.traffic), model=model).start()
+        try:
+            for i in range(1, k + 1):
+                progress.update(task, description=f"{scenario} {i}/{k}")
+                self.record(scenario, i, k, one_rollout(i), progress, task)
+        finally:
+            stats = generator.stop()
+            self.log(f"[{scenario}] traffic: {stats.sent} requests, statuses {dict(stats.statuses)}, by variant "
+                     f"{dict(stats.variants)}, errors seen by users {stats.user_errors}")
 
     def record(self, scenario: str, run: int, k: int, outcome: RunOutcome, progress, task) -> None:
         self.outcomes.append(outcome)

@@ -54,6 +54,22 @@ def register_versions(tmp: Path, models: dict[str, Path], champion: bool = True,
     return Registry(tracking_uri, versions, bundles)
 
 
+def model_aliases(tracking_uri: str, model: str = MODEL) -> dict[str, str]:
+    """The aliases set on ``model``; only MLflow's "no such alias" answer reads as unset, anything else fails."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(tracking_uri)
+    out = {}
+    for alias in ("champion", "canary", "shadow", "previous-champion"):
+        try:
+            out[alias] = str(client.get_model_version_by_alias(model, alias).version)
+        except MlflowException as exc:
+            if f"alias {alias} not found" not in exc.message:
+                raise
+    return out
+
+
 def gates_at_test_speed(**overrides) -> Gates:
     """The plan's real rate tolerances, with the design effects (rates and latency) sized to a seconds-long step.
 

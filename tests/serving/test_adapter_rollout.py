@@ -27,7 +27,7 @@ from serving.rollout.state import RolloutSpec
 from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 from tests.lora_support import make_adapter
 from tests.serving.fleet_support import engine_thread, free_port, make_keys, uvicorn_thread
-from tests.serving.rollout_support import MODEL, fast_plan, register_versions
+from tests.serving.rollout_support import MODEL, fast_plan, model_aliases, register_versions
 
 ADAPTER_MODEL = "support-adapter"  # the adapter's own registered model
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
@@ -115,20 +115,6 @@ def adapter_fleet(tmp: Path, tiny_model_dir: Path, adapter_dirs: dict[str, Path]
                                app.state.gateway, sales)
 
 
-def _aliases(tracking_uri: str, model: str) -> dict[str, str]:
-    from mlflow.exceptions import MlflowException
-
-    client = MlflowClient(tracking_uri)
-    out = {}
-    for alias in ("champion", "canary", "shadow", "previous-champion"):
-        try:
-            out[alias] = str(client.get_model_version_by_alias(model, alias).version)
-        except MlflowException as exc:
-            if f"alias {alias} not found" not in exc.message:
-                raise
-    return out
-
-
 def _ask(url: str, key: str, model: str, prompt: str = "the cat sat on") -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", headers={"authorization": f"Bearer {key}"}, timeout=60,
                       json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
@@ -187,9 +173,9 @@ def test_an_adapter_rollout_inside_the_same_replica_is_promoted_and_touches_noth
         lane = routing.lanes["support"]
         assert lane.champion.served_model == "support@2" and not lane.active("canary") and not lane.active("shadow")
         assert routing.champion == base_before and routing.lanes["sales"] == sales_before and not routing.canary.active
-        assert _aliases(f.tracking_uri, ADAPTER_MODEL) == {"champion": f.versions["support#2"],
+        assert model_aliases(f.tracking_uri, ADAPTER_MODEL) == {"champion": f.versions["support#2"],
                                                            "previous-champion": f.versions["support"]}
-        assert _aliases(f.tracking_uri, MODEL) == {"champion": "1"}  # the base's aliases never moved
+        assert model_aliases(f.tracking_uri, MODEL) == {"champion": "1"}  # the base's aliases never moved
         canary_look = next(a for a in state.analyses if a["phase"] == "canary")
         traffic = {t["variant"]: t for t in canary_look["traffic"]}
         # the canary was judged against the champion adapter on the same replica, at an equal share
@@ -217,7 +203,7 @@ def test_a_slow_adapter_canary_is_rolled_back_and_the_champion_adapter_keeps_its
         assert state.phase == "rolled_back", (state.reason, [a["summary"] for a in state.analyses])
         assert "ttft_ratio" in state.reason
         assert [d["to"] for d in state.decisions if d["kind"] == "phase"] == ["canary 30%", "rolled_back"]
-        assert _aliases(f.tracking_uri, ADAPTER_MODEL) == {"champion": f.versions["support"]}
+        assert model_aliases(f.tracking_uri, ADAPTER_MODEL) == {"champion": f.versions["support"]}
         lane = f.gateway.routing.state.lanes["support"]
         assert lane.champion.served_model == "support@1" and lane.canary_weight == 0 and not lane.active("canary")
         assert sum(s.user_errors for s in stats) == 0
@@ -309,9 +295,9 @@ def test_two_adapters_roll_out_at_once_each_judged_in_its_own_lane(tmp_path, tin
                                                    [a["summary"] for a in support_state.analyses])
         assert sales_state.phase == "rolled_back" and "ttft_ratio" in sales_state.reason, sales_state.reason
         assert sum(s.user_errors for s in stats) == 0
-        assert _aliases(f.tracking_uri, "support-adapter") == {"champion": f.versions["support#2"],
+        assert model_aliases(f.tracking_uri, "support-adapter") == {"champion": f.versions["support#2"],
                                                                "previous-champion": f.versions["support"]}
-        assert _aliases(f.tracking_uri, "sales-adapter") == {"champion": f.sales_versions["sales"]}
+        assert model_aliases(f.tracking_uri, "sales-adapter") == {"champion": f.sales_versions["sales"]}
         lanes = f.gateway.routing.state.lanes
         assert lanes["support"].champion.served_model == f"support@{f.versions['support#2']}"
         assert lanes["sales"].champion.served_model == f"sales@{f.sales_versions['sales']}"

@@ -22,24 +22,10 @@ from tests.serving.rollout_support import (
     fast_plan,
     fleet,
     latency_not_the_subject,
+    model_aliases,
     register_versions,
     spec_for,
 )
-
-
-def _aliases(tracking_uri: str) -> dict[str, str]:
-    """The aliases set on the model; only MLflow's "no such alias" answer reads as unset, anything else fails."""
-    from mlflow.exceptions import MlflowException
-
-    client = MlflowClient(tracking_uri)
-    out = {}
-    for alias in ("champion", "canary", "shadow", "previous-champion"):
-        try:
-            out[alias] = str(client.get_model_version_by_alias(MODEL, alias).version)
-        except MlflowException as exc:
-            if f"alias {alias} not found" not in exc.message:
-                raise
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +58,7 @@ def test_good_candidate_goes_shadow_canary_promoted(promoted):
     assert state.phase == "promoted", (state.reason, [a["summary"] for a in state.analyses])
     phases = [d["to"] for d in state.decisions if d["kind"] == "phase"]
     assert phases[:4] == ["baseline", "shadow", "canary 50%", "promoted"]
-    assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a2"],
+    assert model_aliases(registry.tracking_uri) == {"champion": registry.versions["a2"],
                                                "previous-champion": registry.versions["a"]}
     assert routing.champion.version == registry.versions["a2"] and not routing.canary.active
     assert stats.user_errors == 0 and stats.sent > 20
@@ -161,7 +147,7 @@ def test_slow_candidate_is_rolled_back_at_once_naming_the_gate(tmp_path, tiny_mo
     assert state.phase == "rolled_back"
     assert "ttft_ratio" in state.reason
     assert [d["to"] for d in _decisions(state, "phase")] == ["canary 30%", "rolled_back"]  # 60% never ran
-    assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a"]}
+    assert model_aliases(registry.tracking_uri) == {"champion": registry.versions["a"]}
     assert routing.canary_weight == 0 and not routing.canary.active
     assert stats.user_errors == 0
     tags = MlflowClient(registry.tracking_uri).get_model_version(MODEL, registry.versions["a2"]).tags
@@ -216,7 +202,7 @@ def test_approval_by_moving_the_champion_alias(tmp_path, tiny_model_dir):
         MlflowClient(registry.tracking_uri).set_registered_model_alias(MODEL, "champion", registry.versions["a2"])
         controller.tick()
         assert controller.state.phase == "promoted"
-        assert _aliases(registry.tracking_uri) == {"champion": registry.versions["a2"],
+        assert model_aliases(registry.tracking_uri) == {"champion": registry.versions["a2"],
                                                    "previous-champion": registry.versions["a"]}
         champion_moves = [d for d in _decisions(controller.state, "alias") if d["detail"].startswith("champion")]
         assert len(champion_moves) == 1 and "already" in champion_moves[0]["detail"]  # the person moved it, not us
@@ -262,7 +248,7 @@ def test_no_traffic_is_inconclusive_and_pauses_never_passes(tmp_path, tiny_model
         assert "canary 0 requests from 0 keys, baseline 0 requests from 0 keys" in state.reason
         assert "no request reached the gateway" in state.reason
         assert [d["kind"] for d in state.decisions if d["kind"] == "extend"] == ["extend"]
-        assert _aliases(registry.tracking_uri)["canary"] == registry.versions["a2"]  # traffic held, not rolled back
+        assert model_aliases(registry.tracking_uri)["canary"] == registry.versions["a2"]  # held, not rolled back
 
 
 def test_a_step_with_too_few_users_a_side_extends_then_pauses_saying_so(tmp_path, tiny_model_dir):
@@ -289,7 +275,7 @@ def test_a_step_with_too_few_users_a_side_extends_then_pauses_saying_so(tmp_path
     judged = [traffic.get(side, {"requests": 0, "keys": 0}) for side in ("canary", "baseline")]
     assert sum(r["requests"] for r in judged) >= 10 and sum(r["keys"] for r in judged) <= 4  # not for want of requests
     assert "traffic_keys" in state.reason and "more users" in state.reason, state.reason
-    assert _aliases(registry.tracking_uri)["canary"] == registry.versions["a2"]  # held, not rolled back
+    assert model_aliases(registry.tracking_uri)["canary"] == registry.versions["a2"]  # held, not rolled back
 
 
 def test_an_inconclusive_fact_pauses_at_once_stays_on_resume_and_a_waiver_by_tag_gets_past_it(tmp_path,
@@ -323,7 +309,7 @@ def test_an_inconclusive_fact_pauses_at_once_stays_on_resume_and_a_waiver_by_tag
             for look in shadow_looks:
                 (verdict,) = [v for v in look["verdicts"] if v["gate"] == "eval_record"]
                 assert verdict["outcome"] == "inconclusive"
-            assert "canary" not in _aliases(registry.tracking_uri)
+            assert "canary" not in model_aliases(registry.tracking_uri)
             client.set_model_version_tag(MODEL, candidate, "rollout.waive", "eval_record")
             state = controller.run_until_done(max_seconds=90)
         finally:
@@ -360,4 +346,4 @@ def test_a_candidate_whose_offline_record_lost_its_refusals_is_rolled_back_at_sh
         assert state.phase == "rolled_back", state.reason
         assert "offline_refusal" in state.reason and "harmful answered (offline) 0.767 vs 0.047" in state.reason
         assert [a["phase"] for a in state.analyses] == ["baseline", "shadow"]
-        assert "canary" not in _aliases(registry.tracking_uri)
+        assert "canary" not in model_aliases(registry.tracking_uri)
