@@ -204,7 +204,7 @@ def _refuse_if_rolling(fleet, public: str) -> None:
 
 def _start_rollout(args: argparse.Namespace, fleet, console, adapter_model: str, public: str, version: str,
                    served: str, champion: str, champion_served: str, tracking_uri: str) -> int:
-    from serving.deploy.snapshot import rollout_plan
+    from serving.deploy.rollout_plan import rollout_plan
     from serving.rollout.controller import Controller
     from serving.rollout.state import RolloutSpec
 

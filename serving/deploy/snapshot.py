@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
 from pathlib import Path
 
 from artifacts.common.workdir import resolve_tracking_uri, resolve_workdir
@@ -232,25 +231,9 @@ def _install(fleet, bundle: Path, model_name: str, version: str, champion: str |
     return 0
 
 
-def rollout_plan(args: argparse.Namespace, console, version: str):
-    """The plan a rollout started by this command runs (``--plan``, ``--probes``), with the gates ``--waive``
-    names requested as waived on ``version`` (the controller records who and when, as for `deploy resume`)."""
-    from serving.rollout.analysis import known_gates
-
-    plan = _load_plan(args.plan)
-    if args.probes:
-        plan.probes = replace(plan.probes, data_dir=str(Path(args.probes).resolve()))
-    waive = waived_gates(args.waive)
-    unknown = [g for g in waive if g not in known_gates(plan)]
-    if unknown:
-        raise ServeError(f"--waive: no gate named {unknown[0]!r} (gates: {', '.join(sorted(known_gates(plan)))})")
-    if waive:
-        console.request_waive(version, waive, actor())
-    return plan
-
-
 def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: str, version: str, champion: str,
                    tracking_uri: str, flags: list[str], console) -> int:
+    from serving.deploy.rollout_plan import rollout_plan
     from serving.rollout import start_rollout
 
     plan = rollout_plan(args, console, version)
@@ -269,16 +252,6 @@ def _start_rollout(args: argparse.Namespace, fleet, bundle: Path, model_name: st
     if args.wait:
         return follow(directory)
     return 0
-
-
-def _load_plan(path: str | None):
-    from serving.rollout.plan import RolloutPlan
-
-    if not path:
-        return RolloutPlan()
-    from artifacts.common.config_loader import build_dataclass, read_yaml_mapping
-
-    return build_dataclass(RolloutPlan, read_yaml_mapping(Path(path)), key="", source=path)
 
 
 def _eval_passed(bundle: Path) -> bool | None:

@@ -162,7 +162,7 @@ def _an_unfinished_rehearsal_says_what_rolls_it_out(rollout: dict, client, tmp_p
     """The stage stopped its rehearsal fleet with the rollout unfinished: the stage, and the version's tag in the
     registry, name the `deploy snapshot` command that rolls the version out under the same plan (written beside
     the rollout's state); `lifecycle rollout run DIR` says in one line that this rollout cannot go on, and why."""
-    from serving.deploy.snapshot import _load_plan
+    from serving.deploy.rollout_plan import load_plan
     from serving.rollout.state import StateFile
 
     command = _restart_command(rollout)
@@ -171,7 +171,7 @@ def _an_unfinished_rehearsal_says_what_rolls_it_out(rollout: dict, client, tmp_p
     assert client.get_model_version("micro-e2e", rollout["version"]).tags["rollout.restart_with"] == command
     plan_file = Path(words[words.index("--plan") + 1])
     state = StateFile(plan_file.parent).load()
-    assert _load_plan(str(plan_file)) == state.spec.plan and state.spec.plan.promotion_approval == "required"
+    assert load_plan(str(plan_file)) == state.spec.plan and state.spec.plan.promotion_approval == "required"
     assert state.spec.plan.probes.data_dir  # the replayed prompts travel with the plan
 
     resumed = subprocess.run([*LIFECYCLE, "rollout", "run", str(plan_file.parent)], capture_output=True, text=True,
