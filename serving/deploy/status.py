@@ -48,11 +48,8 @@ def _variants(routing: dict | None) -> list[dict]:
         return []
     rows = []
     canary_on = bool(routing["canary"]["replicas"])
-    baseline_on = canary_on and bool((routing.get("baseline") or {}).get("replicas"))
-    canary_weight = routing["canary_weight"] if canary_on else 0.0
-    baseline_weight = min(canary_weight, 100 - canary_weight) if baseline_on else 0.0
-    weights = {"champion": 100 - canary_weight - baseline_weight, "canary": canary_weight,
-               "baseline": baseline_weight, "shadow": None}
+    weights = _shares(routing["canary_weight"], canary_on,
+                      canary_on and bool((routing.get("baseline") or {}).get("replicas")))
     for name in ("champion", "canary", "baseline", "shadow"):
         variant = routing.get(name) or {"replicas": []}
         if not variant["replicas"]:
@@ -65,17 +62,20 @@ def _variants(routing: dict | None) -> list[dict]:
     return rows
 
 
+def _shares(canary_weight: float, canary_on: bool, baseline_on: bool) -> dict[str, float | None]:
+    """Each variant's percent of conversations, as the gateway splits them (the shadow takes none: it mirrors)."""
+    canary = canary_weight if canary_on else 0.0
+    baseline = min(canary, 100 - canary) if baseline_on else 0.0
+    return {"champion": 100 - canary - baseline, "canary": canary, "baseline": baseline, "shadow": None}
+
+
 def adapter_rows(routing: dict | None) -> list[dict]:
     """One row per adapter lane: the adapter version each variant serves inside the champion's replicas, with
     the canary's share of the adapter's conversations and the share mirrored to its shadow."""
     rows = []
     for public, lane in sorted(((routing or {}).get("lanes") or {}).items()):
         canary_on = bool(lane["canary"]["served_model"])
-        baseline_on = canary_on and bool(lane["baseline"]["served_model"])
-        canary_weight = lane["canary_weight"] if canary_on else 0.0
-        baseline_weight = min(canary_weight, 100 - canary_weight) if baseline_on else 0.0
-        weights = {"champion": 100 - canary_weight - baseline_weight, "canary": canary_weight,
-                   "baseline": baseline_weight, "shadow": None}
+        weights = _shares(lane["canary_weight"], canary_on, canary_on and bool(lane["baseline"]["served_model"]))
         for name in ("champion", "canary", "baseline", "shadow"):
             variant = lane[name]
             if variant["served_model"]:

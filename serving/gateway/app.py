@@ -127,11 +127,7 @@ class Gateway:
         return view
 
     def update_routing(self, patch: dict[str, Any], actor: str) -> dict[str, Any]:
-        expected = patch.pop("expected_generation", None)
-        current = self.routing.state
-        if expected is not None and expected != current.generation:
-            raise GatewayError(409, f"routing changed since generation {expected} (now {current.generation}); "
-                               "read it again", "conflict_error", "generation_mismatch")
+        current = self._unchanged_since(patch.pop("expected_generation", None))
         _refuse_unknown_fields(patch, {*LANE_FIELDS, "model_name"})
         merged = current.to_json() | patch
         return self._replace(merged, actor, f"routing: {patch}")
@@ -146,13 +142,18 @@ class Gateway:
                 raise GatewayError(404, f"no adapter lane {lane!r}", "not_found_error", param="lane")
             del merged["lanes"][lane]
         else:
-            expected = patch.pop("expected_generation", None)
-            if expected is not None and expected != current.generation:
-                raise GatewayError(409, f"routing changed since generation {expected} (now {current.generation}); "
-                                   "read it again", "conflict_error", "generation_mismatch")
+            self._unchanged_since(patch.pop("expected_generation", None))
             _refuse_unknown_fields(patch, set(LANE_FIELDS))
             merged["lanes"][lane] = merged["lanes"].get(lane, {}) | patch
         return self._replace(merged, actor, f"lane {lane}: {patch if patch is not None else 'removed'}")
+
+    def _unchanged_since(self, expected: object) -> RoutingState:
+        """The routing now, unless a compare-and-set's ``expected_generation`` is no longer it (409)."""
+        current = self.routing.state
+        if expected is not None and expected != current.generation:
+            raise GatewayError(409, f"routing changed since generation {expected} (now {current.generation}); "
+                               "read it again", "conflict_error", "generation_mismatch")
+        return current
 
     def _replace(self, merged: dict[str, Any], actor: str, what: str) -> dict[str, Any]:
         try:
