@@ -174,6 +174,21 @@ def keys_verdict(window: dict, candidate: tuple[str, str], reference: tuple[str,
                    f"≥ {min_keys} keys a side", None, min(c, r), min_keys, reason)
 
 
+def unjudged_without_keys(verdicts: list[Verdict], keys: Verdict) -> list[Verdict]:
+    """A canary step's latency verdicts, not judged while a side has too few users.
+
+    With a few keys a side, each side's TTFT and ITL are a few users' prompts under the load those users bring:
+    an A/A step with 4 users read ITL HL ×2.41 (significant beyond ×1.25) for the side that held three of them
+    (CI, stop 48). A latency *fail* on such a window is the sticky split, not the candidate, so it turns
+    inconclusive until the keys are there (the step extends, then pauses asking for more users). A 5xx or 429
+    rate is judged as ever: a server error is the candidate's whichever user sent the request."""
+    if keys.outcome != INCONCLUSIVE:
+        return verdicts
+    return [replace(v, outcome=INCONCLUSIVE, more_samples=None,
+                    reason=f"{v.reason}; not judged on {keys.samples} keys a side (need {keys.min_samples})")
+            if v.gate in LATENCY_GATES and v.outcome == FAIL else v for v in verdicts]
+
+
 def traffic_rows(window: dict) -> list[dict[str, Any]]:
     """Requests and distinct conversation keys per variant in the window (probes excluded)."""
     return [{"variant": r["variant"], "version": str(r["version"]), "requests": int(r["requests"]),

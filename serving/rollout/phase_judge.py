@@ -56,11 +56,11 @@ class PhaseJudge:
             since = _canary_since(state)
             rates = window if since >= state.phase_started_at else self.gateway.window(since, now,
                                                                                        disagreements=0)
-            verdicts += A.systems_verdicts(window, ("canary", spec.candidate_version), _reference(state),
-                                           self.plan.gates, self.alpha, step.min_requests, streamed=True,
-                                           rates_window=rates)
-            verdicts.append(A.keys_verdict(window, ("canary", spec.candidate_version), _reference(state),
-                                           step.min_keys))
+            keys = A.keys_verdict(window, ("canary", spec.candidate_version), _reference(state), step.min_keys)
+            verdicts += A.unjudged_without_keys(
+                A.systems_verdicts(window, ("canary", spec.candidate_version), _reference(state), self.plan.gates,
+                                   self.alpha, step.min_requests, streamed=True, rates_window=rates), keys)
+            verdicts.append(keys)
         if not _behaviour_settled(state):
             verdicts += self._behaviour_verdicts(state)
         candidate_variant = ("shadow" if state.phase == SHADOW else "canary", spec.candidate_version)

@@ -330,6 +330,21 @@ def test_a_step_is_judged_only_once_each_side_has_its_keys():
     assert analysis.traffic_advice(enough, ("canary", "baseline"), 50, 60, 50, min_keys=10) == ""
 
 
+def test_a_latency_fail_on_a_few_users_a_side_is_not_judged_but_a_5xx_rate_is():
+    """An A/A step with 4 users read ITL HL ×2.41 for the side holding three of them (CI, stop 48): the latency
+    fail turns inconclusive while a side lacks its keys, saying so; the 5xx fail stands; with the keys, it fails."""
+    slow = judge.shift_gate("itl_ratio", [3.4] * 40, [1.1] * 40, max_ratio=1.25, alpha=0.01, min_samples=5)
+    errors = judge.Verdict("error_rate", "fail", 0.2, 0.0, "≤ baseline + 0.01", 0.001, 40, 5, "5xx")
+    assert slow.outcome == "fail"
+    few = analysis.keys_verdict(_window(canary=(40, 3), baseline=(40, 1)), ("canary", "1"), ("baseline", "1"), 5)
+    itl, rate = analysis.unjudged_without_keys([slow, errors], few)
+    assert itl.outcome == "inconclusive" and itl.more_samples is None
+    assert itl.reason.endswith("not judged on 1 keys a side (need 5)") and "HL ×" in itl.reason
+    assert rate.outcome == "fail"
+    enough = analysis.keys_verdict(_window(canary=(40, 6), baseline=(40, 7)), ("canary", "1"), ("baseline", "1"), 5)
+    assert [v.outcome for v in analysis.unjudged_without_keys([slow, errors], enough)] == ["fail", "fail"]
+
+
 def _verdict(gate, outcome, critical=True):
     return judge.Verdict(gate, outcome, None, None, "", None, 0, 1, "", critical)
 
