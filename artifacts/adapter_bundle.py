@@ -28,7 +28,7 @@ from typing import Any
 from artifacts.common.atomic import staged_directory
 from artifacts.digests import sha256_file
 from artifacts.errors import BundleError, BundleVerificationError
-from artifacts.manifest import FileEntry, Lineage, Manifest, manifest_digest, read_manifest
+from artifacts.manifest import EVAL_RECORD_FILE, FileEntry, Lineage, Manifest, manifest_digest, read_manifest
 from artifacts.safetensors_io import read_header
 
 ADAPTER_MANIFEST = "adapter_manifest.json"
@@ -91,6 +91,12 @@ class AdapterManifest:
 
 def is_adapter_bundle(directory: str | Path) -> bool:
     return (Path(directory) / ADAPTER_MANIFEST).is_file()
+
+
+def bundle_digest(path: Path) -> str:
+    """A bundle's identity, what a registered version is tagged with and an eval record is stamped with: the
+    sha256 of its manifest (an adapter bundle's own manifest)."""
+    return sha256_file(path / ADAPTER_MANIFEST) if is_adapter_bundle(path) else manifest_digest(path)
 
 
 def read_adapter_manifest(directory: str | Path) -> AdapterManifest:
@@ -170,7 +176,7 @@ def _check_files(directory: Path, manifest: AdapterManifest) -> None:
     for root, _, names in os.walk(directory):
         for file in sorted(names):
             rel = (Path(root) / file).relative_to(directory).as_posix()
-            if rel not in listed and rel != ADAPTER_MANIFEST:
+            if rel not in listed and rel not in (ADAPTER_MANIFEST, EVAL_RECORD_FILE):  # the record names the digest
                 raise BundleVerificationError(rel, "extra file not listed in the manifest")
 
 

@@ -14,9 +14,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from artifacts.adapter_bundle import ADAPTER_MANIFEST, bundle_digest, is_adapter_bundle
 from artifacts.common.atomic import atomic_write_text
 from artifacts.errors import EvalRecordError
-from artifacts.manifest import EVAL_RECORD_FILE, MANIFEST_FILE, manifest_digest
+from artifacts.manifest import EVAL_RECORD_FILE, MANIFEST_FILE
 
 EVAL_RECORD_SCHEMA = 1
 
@@ -51,7 +52,7 @@ def write_eval_record(
     `record` may be an EvalRecord, a dict with the same keys (manifest_digest is filled in), or None with
     the keyword fields. An EvalRecord naming a different manifest digest is refused."""
     bundle_dir = Path(bundle_dir)
-    digest = manifest_digest(bundle_dir)
+    digest = bundle_digest(bundle_dir)
     if isinstance(record, EvalRecord):
         if record.manifest_digest and record.manifest_digest != digest:
             raise EvalRecordError(f"{bundle_dir / EVAL_RECORD_FILE}: record is for manifest "
@@ -70,7 +71,8 @@ def write_eval_record(
             if value is not None:
                 data[key] = value
         record = EvalRecord(**data)
-    manifest = json.loads((bundle_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
+    manifest_file = ADAPTER_MANIFEST if is_adapter_bundle(bundle_dir) else MANIFEST_FILE
+    manifest = json.loads((bundle_dir / manifest_file).read_text(encoding="utf-8"))
     record.bundle_name = record.bundle_name or manifest.get("name", "")
     record.bundle_version = record.bundle_version or manifest.get("version", "")
     record.created_at = record.created_at or datetime.now(UTC).isoformat(timespec="seconds")
@@ -93,7 +95,7 @@ def read_eval_record(bundle_dir: str | Path, check_digest: bool = True) -> EvalR
     except TypeError as exc:
         raise EvalRecordError(f"{path}: malformed record ({exc})") from exc
     if check_digest:
-        digest = manifest_digest(bundle_dir)
+        digest = bundle_digest(bundle_dir)
         if record.manifest_digest != digest:
             raise EvalRecordError(f"{path}: refers to manifest {record.manifest_digest[:12]}, but the bundle's "
                                   f"manifest is {digest[:12]} (stale or copied record)")

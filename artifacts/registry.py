@@ -20,9 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from artifacts.adapter_bundle import ADAPTER_MANIFEST, is_adapter_bundle, verify_adapter_bundle
+from artifacts.adapter_bundle import bundle_digest, is_adapter_bundle, verify_adapter_bundle
 from artifacts.common.workdir import sqlite_artifact_root
-from artifacts.digests import sha256_file
 from artifacts.errors import BundleVerificationError, RegistryError
 from artifacts.manifest import MANIFEST_FILE, Manifest, manifest_digest
 from artifacts.verify import verify_bundle
@@ -247,11 +246,6 @@ def _verify_local(path: Path, tp_degree: int | None) -> None:
         verify_adapter_bundle(path)
     else:
         verify_bundle(path, tp_degree)
-
-
-def bundle_digest(path: Path) -> str:
-    """The identity a version is tagged with: the sha256 of its manifest (an adapter bundle's own manifest)."""
-    return sha256_file(path / ADAPTER_MANIFEST) if is_adapter_bundle(path) else manifest_digest(path)
 
 
 def _verify_downloaded(path: Path, ref: ModelVersionRef, tp_degree: int | None) -> None:

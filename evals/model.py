@@ -68,8 +68,11 @@ def _max_context(model: Any, tokenizer: Any) -> int:
     return _DEFAULT_MAX_CONTEXT
 
 
-def load_model(model_dir: str | Path, device: str | None = None) -> LoadedModel:
+def load_model(model_dir: str | Path, device: str | None = None, adapter: str | Path | None = None) -> LoadedModel:
     """Load tokenizer and model from ``model_dir``; fp32 on CPU, the checkpoint's dtype on CUDA.
+
+    ``adapter``: a LoRA adapter directory (an adapter bundle or a plain PEFT adapter) applied on the model unmerged,
+    as a server's adapter slot applies it: what the adapter release form ships is evaluated as it is served.
 
     Raises EvalError if the directory is missing, is not a causal LM, or its tokenizer has no chat
     template (the task suites must prompt the model the way it was trained to be prompted).
@@ -96,6 +99,8 @@ def load_model(model_dir: str | Path, device: str | None = None) -> LoadedModel:
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     except (OSError, ValueError) as exc:
         raise EvalError(f"{model_dir}: cannot load the model ({exc})") from exc
+    if adapter is not None:
+        model = _with_adapter(model, Path(adapter))
     if getattr(model, "hf_device_map", None) is None:
         model.to(dev)
     else:  # placed by its quantization library: feed inputs where the embeddings live
@@ -106,3 +111,14 @@ def load_model(model_dir: str | Path, device: str | None = None) -> LoadedModel:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     return LoadedModel(model_dir=model_dir, model=model, tokenizer=tokenizer, device=dev, eos_ids=eos_ids,
                        pad_id=int(pad_id), max_context=_max_context(model, tokenizer))
+
+
+def _with_adapter(model: Any, adapter: Path) -> Any:
+    from peft import PeftModel
+
+    if not (adapter / "adapter_config.json").is_file():
+        raise EvalError(f"{adapter}: not a LoRA adapter directory (no adapter_config.json)")
+    try:
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise EvalError(f"{adapter}: cannot apply the adapter to the model ({exc})") from exc

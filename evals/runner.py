@@ -21,10 +21,11 @@ log = logging.getLogger(__name__)
 
 
 def run_evals(model_dir: str | Path, data_dir: str | Path, config: EvalConfig | None = None,
-              device: str | None = None) -> list[EvalResult]:
+              device: str | None = None, adapter: str | Path | None = None) -> list[EvalResult]:
     """Load the model once, run each suite in ``config.suites`` order and return all their results.
 
-    ``device`` overrides the run-time choice (cuda if available, else cpu).
+    ``device`` overrides the run-time choice (cuda if available, else cpu); ``adapter``: a LoRA adapter evaluated
+    on the model, unmerged (evals.model.load_model).
     """
     config = config or EvalConfig()
     model_dir, data_dir = Path(model_dir), Path(data_dir)
@@ -37,7 +38,7 @@ def run_evals(model_dir: str | Path, data_dir: str | Path, config: EvalConfig | 
             if not (data_dir / filename).is_file():
                 raise EvalError(f"{data_dir / filename}: data file not found (needed by suite {name!r})")
 
-    lm = load_model(model_dir, device=device)
+    lm = load_model(model_dir, device=device, adapter=adapter)
     ctx = EvalContext(lm=lm, data_dir=data_dir, config=config)
     prompts = [p for name in config.suites if SUITES[name].prompts for p in SUITES[name].prompts(ctx)]
     if prompts:  # one packed generation pass for every generation suite; they then read the cache

@@ -24,10 +24,14 @@ from flows.notify import notify_failure
 from flows.prefect_artifacts import publish_artifacts
 from flows.ray_runner import stage_runner
 from flows.recipe import load_recipe
-from flows.report import PipelineReport, draft_note, quantized_table, stage_change_note
+from flows.report import PipelineReport, adapter_note, draft_note, quantized_table, stage_change_note
 from flows.stage_runner import StageOutput, console
 from flows.stage_tasks import (
     PipelineContext,
+    adapter_bundle_stage,
+    adapter_release_stage,
+    adapter_rollout_note,
+    adapter_stage,
     base_stage,
     bundle_stage,
     data_key,
@@ -92,14 +96,17 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
         report.add_stage(data)
         report.add_eval("base", eval_stage(ctx, "base", base, data))
         model = _post_train(ctx, report, base, data)
-        draft = None
-        if recipe.draft is not None:
-            draft = draft_stage(ctx, model, data)
-            report.add_stage(draft)
-        releases = _release(ctx, report, model, data)
-        if draft is not None:
-            report.notes.append(draft_note(draft, releases.get(ctx.ship_variant)))
-        rollout = rollout_stage(ctx, releases.get(ctx.ship_variant), data, releases.get("fp"))
+        if recipe.release.form == "adapter":
+            rollout = adapter_rollout_note(ctx, _release_adapter(ctx, report, base, data), data)
+        else:
+            draft = None
+            if recipe.draft is not None:
+                draft = draft_stage(ctx, model, data)
+                report.add_stage(draft)
+            releases = _release(ctx, report, model, data)
+            if draft is not None:
+                report.notes.append(draft_note(draft, releases.get(ctx.ship_variant)))
+            rollout = rollout_stage(ctx, releases.get(ctx.ship_variant), data, releases.get("fp"))
         if rollout is not None:
             report.notes.append("rollout:\n\n" + "\n".join(f"    {line}" for line in rollout.lines))
 
@@ -157,13 +164,40 @@ def _release(ctx: PipelineContext, report: PipelineReport, model: StageOutput,
     return releases
 
 
+def _release_adapter(ctx: PipelineContext, report: PipelineReport, base: StageOutput,
+                     data: StageOutput) -> StageOutput:
+    """The adapter form (recipe ``release.form: adapter``): the stages' adapters stacked into one, bundled against
+    the base bundle, evaluated on the base as a server's slot applies it, gated and registered with its base."""
+    trained = [ctx.outputs[name] for name in ("sft", "dpo", "grpo") if getattr(ctx.recipe.training, name).enabled]
+    adapter = adapter_stage(ctx, trained)
+    report.add_stage(adapter)
+    base_bundle = bundle_stage(ctx, "base", base.path, base, data)
+    report.add_stage(base_bundle)
+    adapter_bundle = adapter_bundle_stage(ctx, adapter, base_bundle, data)
+    report.add_stage(adapter_bundle)
+    evaluation = eval_stage(ctx, "bundle-adapter", base_bundle, data, adapter=adapter_bundle)
+    report.add_eval("bundle-adapter", evaluation)
+    # the base bundle holds the base stage's weights, evaluated as "base": its record is that evaluation
+    release = adapter_release_stage(ctx, base_bundle, report.evals["base"], adapter_bundle, evaluation)
+    report.add_stage(release)
+    last = trained[-1].stage
+    report.notes.append(adapter_note(adapter, evaluation.metrics, report.evals[last].metrics, last))
+    if "model_uri" in release.info:
+        alias = f" @{release.info['alias']}" if "alias" in release.info else ""
+        report.notes.append(f"adapter: registered {release.info['model_uri']}{alias} on its base "
+                            f"{release.info['base_uri']} ({release.info['gates']})")
+    if not release.info.get("gates_passed", True):
+        _advise(ctx, report, "adapter", evaluation)
+    return release
+
+
 def _advise(ctx: PipelineContext, report: PipelineReport, variant: str, evaluation: StageOutput) -> None:
     """A release that failed its gates: which stage lost each metric, and the recipe keys to look at."""
     from evals.gates import failed_gates
     from flows.gate_advice import failed_gate_advice
 
     chain = [label for label in ("base", "sft", "dpo", "grpo") if label in report.evals]
-    chain += (["bundle-fp"] if variant != "fp" else []) + [f"bundle-{variant}"]
+    chain += (["bundle-fp"] if variant not in ("fp", "adapter") else []) + [f"bundle-{variant}"]
     failed = failed_gates(ctx.recipe.parsed_gates(), evaluation.metrics)
     for line in failed_gate_advice(failed, {label: out.metrics for label, out in report.evals.items()}, chain):
         console.print(f"[yellow]- release-{variant}[/] {line}", highlight=False)

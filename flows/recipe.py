@@ -112,6 +112,27 @@ class RolloutSection:
             raise ValueError(f"mode: must be 'auto', 'manual' or 'off', got {self.mode!r}")
 
 
+RELEASE_FORMS = ("merged", "adapter")
+
+
+@dataclass
+class ReleaseSection:
+    """What the pipeline ships: ``merged``, the final model with every stage's adapter merged into it (a snapshot
+    of its own); or ``adapter``, the stages' adapters stacked into one (training.adapter_stack) and bundled against
+    the base the first stage started from, so one replica of the base serves it beside other adapters. The adapter
+    is registered under ``adapter_model`` (empty: the registered model's name + ``-adapter``) with the base's
+    version in its lineage, and gated on the evals of base + adapter as the engine serves them."""
+
+    form: str = "merged"
+    adapter_model: str = ""
+
+    def __post_init__(self) -> None:
+        if self.form not in RELEASE_FORMS:
+            raise ValueError(f"form: must be one of {', '.join(RELEASE_FORMS)}, got {self.form!r}")
+        if self.adapter_model and not _NAME_RE.match(self.adapter_model):
+            raise ValueError(f"adapter_model: {self.adapter_model!r} must be 1-64 letters, digits, '.', '_' or '-'")
+
+
 RUNNER_KINDS = ("local", "ray")
 
 
@@ -151,6 +172,7 @@ class Recipe:
     # Promotion gates on the final eval record, e.g. "task_accuracy >= 0.4".
     gates: list[str] = field(default_factory=list)
     runner: RunnerSection = field(default_factory=RunnerSection)
+    release: ReleaseSection = field(default_factory=ReleaseSection)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -159,6 +181,29 @@ class Recipe:
             raise ValueError(f"threads: must be >= 0, got {self.threads}")
         for text in self.gates:
             parse_gate(text)
+        if self.release.form == "adapter":
+            self._check_adapter_release()
+
+    def _check_adapter_release(self) -> None:
+        """What the adapter form cannot ship, said before any stage runs."""
+        stages = [name for name in ("sft", "dpo", "grpo") if getattr(self.training, name).enabled]
+        if not stages:
+            raise ValueError("release.form: 'adapter' needs at least one enabled training stage (its adapter is "
+                             "what ships)")
+        qlora = [name for name in stages if getattr(self.training, name).lora.qlora]
+        if qlora:
+            raise ValueError(f"release.form: 'adapter' with training.{qlora[0]}.lora.qlora: true: a QLoRA adapter "
+                             "learned on the 4-bit NF4 base, so stacked on the full-precision base bundle it is not "
+                             "the model the evals measured; set qlora: false or release.form: merged")
+        if self.quantize is not None:
+            raise ValueError("release.form: 'adapter' ships against the full-precision base bundle; set quantize: "
+                             "null (a quantized base under the adapter is served by the engine but not yet "
+                             "evaluated as served by the pipeline)")
+        if self.draft is not None:
+            raise ValueError("release.form: 'adapter' ships no merged model for a draft to imitate; set draft: null")
+        if self.adapter_model_name == self.registered_model_name:
+            raise ValueError(f"release.adapter_model: {self.adapter_model_name!r} is the base's registered model; "
+                             "an adapter is registered under a model of its own")
 
     def parsed_gates(self) -> list[Gate]:
         return [parse_gate(text) for text in self.gates]
@@ -166,6 +211,11 @@ class Recipe:
     @property
     def registered_model_name(self) -> str:
         return self.registry.model_name or self.name
+
+    @property
+    def adapter_model_name(self) -> str:
+        """The registered model the adapter form's versions go to."""
+        return self.release.adapter_model or f"{self.registered_model_name}-adapter"
 
 
 def load_recipe(path: str | Path) -> Recipe:

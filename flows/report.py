@@ -148,3 +148,11 @@ def draft_note(draft: StageOutput, shipped: StageOutput | None) -> str:
     return (f"draft model ({draft.info.get('layers', '?')} layers, argmax agreement with its target "
             f"{before:.2f} → {after:.2f} on held-out text): `{draft.path}`; serve with it: "
             f"`lifecycle serve {served} --speculative-tokens 4 --speculative-model {draft.path}`")
+
+
+def adapter_note(adapter: StageOutput, served: dict[str, float], merged: dict[str, float], last: str) -> str:
+    """The report's line on the adapter form: how it was stacked, and its evals as served beside the merged
+    chain's (stacking is exact, so they differ by float rounding at most; a gap says something is wrong)."""
+    pairs = ", ".join(f"{m} {_fmt(served.get(m))} (merged {last}: {_fmt(merged.get(m))})"
+                      for m in HEADLINE_METRICS if m in served)
+    return f"adapter: {adapter.info.get('summary', adapter.path)}; base + adapter as served: {pairs}"

@@ -143,22 +143,29 @@ def data_key(config: Any) -> str:
     return stage_key("data", config, extra=local_sources(config))
 
 
-def eval_stage(ctx: PipelineContext, label: str, model: StageOutput, data: StageOutput) -> StageOutput:
+def eval_stage(ctx: PipelineContext, label: str, model: StageOutput, data: StageOutput,
+               adapter: StageOutput | None = None) -> StageOutput:
+    """The recipe's eval suites on ``model`` (with ``adapter`` applied unmerged, as a server's slot applies it)."""
     config = ctx.recipe.evals
-    key = stage_key(f"eval-{label}", config, model.key, data.key)
+    key = stage_key(f"eval-{label}", config, model.key, data.key, *([adapter.key] if adapter else []))
 
     def evaluate(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
         from evals.results import markdown_table, metrics_dict, write_results_json
         from evals.runner import run_evals
         from evals.tracking import log_results
 
-        results = run_evals(model.path, data.path, config)
+        results = run_evals(model.path, data.path, config, adapter=adapter.path if adapter else None)
         write_results_json(results, out_dir / "eval_results.json")
         log_results(results)
         mlflow.set_tag("lifecycle.evaluated_model", model.path)
-        return metrics_dict(results), {"model": model.path, "table": markdown_table(results)}
+        info = {"model": model.path, "table": markdown_table(results)}
+        if adapter is not None:
+            mlflow.set_tag("lifecycle.evaluated_adapter", adapter.path)
+            info["adapter"] = adapter.path
+        return metrics_dict(results), info
 
-    return ctx.run(f"eval-{label}", key, evaluate, params={"model_dir": model.path, **_asdict(config)})
+    params = {"model_dir": model.path, **({"adapter_dir": adapter.path} if adapter else {}), **_asdict(config)}
+    return ctx.run(f"eval-{label}", key, evaluate, params=params)
 
 
 def training_stage(ctx: PipelineContext, name: str, previous: StageOutput, data: StageOutput) -> StageOutput:
@@ -259,49 +266,171 @@ def bundle_stage(ctx: PipelineContext, variant: str, model_path: str, upstream: 
     return ctx.run(f"bundle-{variant}", key, package, params={"model_dir": model_path, **_asdict(config)})
 
 
+def adapter_stage(ctx: PipelineContext, trained: list[StageOutput]) -> StageOutput:
+    """The adapters of the training stages, stacked into one adapter of the base the first stage started from
+    (training.adapter_stack: exact, where a fold by SVD would approximate what the evals measured)."""
+    key = stage_key("adapter", {"stages": [t.stage for t in trained]}, *[t.key for t in trained])
+
+    def stack(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        from training.adapter_stack import STACK_RECORD, stack_adapters
+
+        missing = [t.stage for t in trained if "adapter_dir" not in t.info]
+        if missing:
+            raise LifecycleError(f"release.form adapter: stage {missing[0]} left no adapter to ship "
+                                 f"({trained[0].path})")
+        stacked = stack_adapters([Path(t.info["adapter_dir"]) for t in trained], out_dir / "adapter")
+        ranks = json.loads((stacked / STACK_RECORD).read_text(encoding="utf-8"))["ranks"]
+        summary = " + ".join(f"{t.stage} r{r}" for t, r in zip(trained, ranks, strict=True))
+        return {"adapter_rank": float(sum(ranks))}, {"path": str(stacked), "ranks": ranks,
+                                                     "summary": f"stacked {summary} = rank {sum(ranks)}"}
+
+    return ctx.run("adapter", key, stack, params={"stages": ",".join(t.stage for t in trained)})
+
+
+def adapter_bundle_stage(ctx: PipelineContext, adapter: StageOutput, base_bundle: StageOutput,
+                         data: StageOutput) -> StageOutput:
+    """The stacked adapter as an adapter bundle bound to the base bundle (artifacts.adapter_bundle)."""
+    config = ctx.recipe.bundle
+    key = stage_key("bundle-adapter", {"name": ctx.recipe.adapter_model_name, "version": config.version}, adapter.key,
+                    base_bundle.key)
+
+    def package(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        import shutil
+        from datetime import UTC, datetime
+
+        from artifacts.adapter_bundle import ADAPTER_WEIGHTS, verify_adapter_bundle, write_adapter_bundle
+        from artifacts.digests import sha256_file
+        from artifacts.manifest import Lineage
+        from artifacts.writer import AUTO_VERSION
+
+        target = out_dir / "bundle"
+        if target.exists():  # a previous attempt finished writing but not the stage: start clean
+            shutil.rmtree(target)
+        version = config.version
+        if version == AUTO_VERSION:
+            stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+            version = f"{stamp}-{sha256_file(Path(adapter.path) / ADAPTER_WEIGHTS)[:8]}"
+        # named as registered: the name is the adapter's lane at the gateway, what clients ask for as `model`
+        write_adapter_bundle(adapter.path, target, base_bundle.path, name=ctx.recipe.adapter_model_name,
+                             version=version,
+                             lineage=_lineage(ctx, data, adapter.path, Lineage))
+        manifest = verify_adapter_bundle(target, base=base_bundle.path)
+        return {"adapter_rank": float(manifest.lora.rank)}, {"path": str(target), "version": manifest.version,
+                                                              "base_bundle": base_bundle.path}
+
+    return ctx.run("bundle-adapter", key, package, params={"adapter_dir": adapter.path,
+                                                           "base_bundle": base_bundle.path})
+
+
 def release_stage(ctx: PipelineContext, variant: str, bundle: StageOutput, evaluation: StageOutput) -> StageOutput:
     """Write the eval record beside the manifest, check the gates, register the bundle in MLflow."""
-    gates = ctx.recipe.parsed_gates()
     registry = ctx.recipe.registry
     key = stage_key(f"release-{variant}", {"gates": ctx.recipe.gates, "registry": _asdict(registry)},
                     bundle.key, evaluation.key)
 
     def release(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
-        from artifacts.eval_record import write_eval_record
-        from evals.gates import check_gates
-        from evals.results import read_results_json, to_jsonable
-
-        results = read_results_json(Path(evaluation.path) / "eval_results.json")
-        report = check_gates(results, gates)
-        gate_record = {str(c.gate): {"measured": c.measured, "passed": c.passed, "reason": c.reason}
-                       for c in report.checks}
-        # the results carry each metric's sample count: a rollout compares the record with the champion's
-        record_path = write_eval_record(bundle.path, metrics=evaluation.metrics, gates=gate_record,
-                                        passed=report.passed, results=to_jsonable(results))
-        mlflow.set_tag("lifecycle.gates", report.summary())
-        # beside the version's run, so a rollout controller on another host reads the candidate's record
-        mlflow.log_artifact(str(record_path))
-        info: dict[str, Any] = {"path": bundle.path, "gates_passed": report.passed, "gates": report.summary()}
+        verdict = _record_and_gate(ctx, bundle.path, evaluation)
+        info: dict[str, Any] = {"path": bundle.path, "gates_passed": verdict.passed, "gates": verdict.summary}
         if registry.enabled:
-            from artifacts.registry import register_bundle, set_alias
+            from artifacts.registry import register_bundle
 
-            gate_lines = "\n".join(f"- {'✓' if c.passed else '✗'} {c.reason}" for c in report.checks)
             ref = register_bundle(bundle.path, ctx.recipe.registered_model_name,
                                   description=f"{ctx.recipe.name} ({variant}) from the lifecycle pipeline\n\n"
-                                              f"Release gates: {report.summary()}\n{gate_lines}\n")
-            info.update(model_uri=f"models:/{ref.name}/{ref.version}", version=ref.version)
-            # The registry is where people decide promotions: the verdict, short, on the version's row.
-            client = mlflow.MlflowClient()
-            client.set_model_version_tag(ref.name, ref.version, "lifecycle.gates_passed", str(report.passed).lower())
-            passed = sum(c.passed for c in report.checks)
-            client.set_model_version_tag(ref.name, ref.version, "lifecycle.gates",
-                                         f"{passed}/{len(report.checks)} passed")
-            if report.passed and variant == ctx.ship_variant:
-                set_alias(ref.name, registry.candidate_alias, ref.version)
-                info["alias"] = registry.candidate_alias
-        return {"gates_passed": float(report.passed)}, info
+                                              f"{verdict.description}")
+            info.update(_tag_release(ref, verdict, variant == ctx.ship_variant, registry.candidate_alias))
+        return {"gates_passed": float(verdict.passed)}, info
 
     return ctx.run(f"release-{variant}", key, release)
+
+
+def adapter_release_stage(ctx: PipelineContext, base_bundle: StageOutput, base_eval: StageOutput,
+                          adapter_bundle: StageOutput, evaluation: StageOutput) -> StageOutput:
+    """The adapter form's release: the base bundle registered (or found, by its digest) as a version of the
+    recipe's model, with its own eval record; the adapter bundle gated on the evals of base + adapter and
+    registered as a version of the adapter model, with the base's version in its lineage. The candidate alias goes
+    on the adapter version (a base is the ground adapters stand on, not a candidate)."""
+    registry = ctx.recipe.registry
+    key = stage_key("release-adapter", {"gates": ctx.recipe.gates, "registry": _asdict(registry),
+                                        "adapter_model": ctx.recipe.adapter_model_name},
+                    base_bundle.key, base_eval.key, adapter_bundle.key, evaluation.key)
+
+    def release(out_dir: Path) -> tuple[dict[str, float], dict[str, Any]]:
+        # the base's record goes to the base version's own run: one run holds one version's eval_record.json
+        base_verdict = _record_and_gate(ctx, base_bundle.path, base_eval, log_to_stage_run=False)
+        verdict = _record_and_gate(ctx, adapter_bundle.path, evaluation)
+        info: dict[str, Any] = {"path": adapter_bundle.path, "gates_passed": verdict.passed,
+                                "gates": verdict.summary, "base_bundle": base_bundle.path}
+        if registry.enabled:
+            from artifacts.adapter_registry import register_adapter_bundle
+            from artifacts.registry import find_version_by_digest, register_bundle
+
+            base_model = ctx.recipe.registered_model_name
+            base_ref = find_version_by_digest(base_bundle.path, base_model)
+            if base_ref is None:
+                base_ref = register_bundle(base_bundle.path, base_model, tracking_uri=mlflow.get_tracking_uri(),
+                                           description=f"{ctx.recipe.name} base, the ground of its adapters "
+                                                       f"(release form adapter)\n\n{base_verdict.description}")
+                mlflow.MlflowClient().log_artifact(base_ref.run_id, str(base_verdict.record_path))
+            _tag_release(base_ref, base_verdict, False, "")
+            ref = register_adapter_bundle(adapter_bundle.path, ctx.recipe.adapter_model_name, base_model=base_model)
+            mlflow.MlflowClient().update_model_version(
+                ref.name, ref.version, f"{ctx.recipe.name} adapter from the lifecycle pipeline, on "
+                                       f"{base_model} version {base_ref.version}\n\n{verdict.description}")
+            info.update(_tag_release(ref, verdict, True, registry.candidate_alias))
+            info.update(base_model=base_model, base_version=base_ref.version,
+                        base_uri=f"models:/{base_model}/{base_ref.version}")
+        return {"gates_passed": float(verdict.passed)}, info
+
+    return ctx.run("release-adapter", key, release)
+
+
+@dataclass
+class _GateVerdict:
+    passed: bool
+    summary: str  # the gates report's one line
+    count: str  # "3/4 passed": what the version's row shows
+    description: str  # for the registry: the summary and one line per gate
+    record_path: Path
+
+
+def _record_and_gate(ctx: PipelineContext, bundle_path: str, evaluation: StageOutput,
+                     log_to_stage_run: bool = True) -> _GateVerdict:
+    """Check the recipe's gates on ``evaluation`` and write the eval record beside the bundle's manifest (also
+    logged to the stage's run, beside the version registered from it, so a rollout controller on another host
+    reads the version's record)."""
+    from artifacts.eval_record import write_eval_record
+    from evals.gates import check_gates
+    from evals.results import read_results_json, to_jsonable
+
+    results = read_results_json(Path(evaluation.path) / "eval_results.json")
+    report = check_gates(results, ctx.recipe.parsed_gates())
+    gate_record = {str(c.gate): {"measured": c.measured, "passed": c.passed, "reason": c.reason}
+                   for c in report.checks}
+    # the results carry each metric's sample count: a rollout compares the record with the champion's
+    record_path = write_eval_record(bundle_path, metrics=evaluation.metrics, gates=gate_record,
+                                    passed=report.passed, results=to_jsonable(results))
+    if log_to_stage_run:
+        mlflow.set_tag("lifecycle.gates", report.summary())
+        mlflow.log_artifact(str(record_path))
+    gate_lines = "\n".join(f"- {'✓' if c.passed else '✗'} {c.reason}" for c in report.checks)
+    count = f"{sum(c.passed for c in report.checks)}/{len(report.checks)} passed"
+    return _GateVerdict(report.passed, report.summary(), count,
+                        f"Release gates: {report.summary()}\n{gate_lines}\n", record_path)
+
+
+def _tag_release(ref: Any, verdict: _GateVerdict, candidate: bool, alias: str) -> dict[str, Any]:
+    """The verdict, short, on the version's row (the registry is where people decide promotions); the
+    ``alias`` on it when it is the ``candidate`` and passed."""
+    from artifacts.registry import set_alias
+
+    client = mlflow.MlflowClient()
+    client.set_model_version_tag(ref.name, ref.version, "lifecycle.gates_passed", str(verdict.passed).lower())
+    client.set_model_version_tag(ref.name, ref.version, "lifecycle.gates", verdict.count)
+    info: dict[str, Any] = {"model_uri": f"models:/{ref.name}/{ref.version}", "version": ref.version}
+    if candidate and verdict.passed:
+        set_alias(ref.name, alias, ref.version)
+        info["alias"] = alias
+    return info
 
 
 def rollout_stage(ctx: PipelineContext, release: StageOutput | None, data: StageOutput,
@@ -331,6 +460,37 @@ def rollout_stage(ctx: PipelineContext, release: StageOutput | None, data: Stage
                             data.path, ctx.workdir.tracking_uri(),
                             str(ctx.workdir.runs / ctx.recipe.name / "fleet"),
                             eval_passed=bool(release.info.get("gates_passed")), first_champion=first)
+
+
+def adapter_rollout_note(ctx: PipelineContext, release: StageOutput, data: StageOutput):
+    """The adapter form's last stage: the commands that roll the new adapter out (never cached).
+
+    The pipeline's own rehearsal fleet is built around one snapshot and its baseline replica; an adapter's rollout
+    runs in a lane of the replicas already serving its base, which is the deploy fleet's job, so here the release
+    stops at ``candidate`` whatever ``rollout.mode`` says, and the lines say how to go on."""
+    from flows.rollout import RolloutOutcome
+
+    if ctx.recipe.rollout.mode == "off" or "version" not in release.info:
+        return None
+    adapter_uri, version = release.info["model_uri"], str(release.info["version"])
+    if "alias" not in release.info:
+        line = f"{adapter_uri} failed its gates ({release.info['gates']}); nothing to roll out"
+        console.print(f"[yellow]- rollout[/] {line}", highlight=False)
+        return RolloutOutcome(version, "gates-failed", [line])
+    from serving.rollout import RegistryConsole
+
+    base_model, base_version = ctx.recipe.registered_model_name, str(release.info["base_version"])
+    champion = RegistryConsole(base_model, ctx.workdir.tracking_uri()).alias_version("champion")
+    lines = []
+    if champion != base_version:
+        serving = f"champion is v{champion}" if champion else "nothing serves it yet"
+        lines.append(f"its base {release.info['base_uri']} must serve first ({serving}): deploy snapshot "
+                     f"{release.info['base_uri']} --max-loras 4 --wait")
+    lines.append(f"{adapter_uri} is `candidate`; roll it out in its lane with: deploy snapshot {adapter_uri} "
+                 f"--probes {data.path} --wait")
+    for line in lines:
+        console.print(f"[yellow]- rollout[/] adapter form, by hand: {line}", highlight=False)
+    return RolloutOutcome(version, "manual", lines)
 
 
 def _lineage(ctx: PipelineContext, data: StageOutput, model_path: str, lineage_cls: Any) -> Any:

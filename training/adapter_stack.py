@@ -27,6 +27,7 @@ from training.stage_config import TrainingError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+STACK_RECORD = "stacked_from.json"
 _KEY = re.compile(r"^(?P<prefix>.*layers\.\d+\.(?:self_attn|mlp)\.\w+)\.lora_(?P<which>[AB])\.weight$")
 
 
@@ -86,9 +87,11 @@ def stack_adapters(adapter_dirs: list[Path], output_dir: Path) -> Path:
     targets = sorted({t for config, _ in read for t in (config.get("target_modules") or [])})
     config = {**{k: first[k] for k in ("base_model_name_or_path", "task_type", "peft_type") if k in first},
               "r": total, "lora_alpha": total, "use_rslora": False, "lora_dropout": 0.0, "bias": "none",
-              "target_modules": targets, "fan_in_fan_out": False, "use_dora": False,
-              "stacked_from": [str(d) for d in adapter_dirs], "stacked_ranks": ranks}
+              "target_modules": targets, "fan_in_fan_out": False, "use_dora": False}
+    # what it was stacked from goes beside the config, not in it: PEFT warns on every key its LoraConfig lacks
+    provenance = {"stacked_from": [str(d) for d in adapter_dirs], "ranks": ranks}
     with staged_directory(Path(output_dir), if_exists="replace") as tmp:
         save_file(stacked, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (tmp / STACK_RECORD).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
     return Path(output_dir)

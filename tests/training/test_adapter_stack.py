@@ -40,7 +40,8 @@ def test_stacked_adapters_on_the_base_equal_the_merged_chain(micro_base_dir, tmp
     merged_dpo = merge_adapter(dpo, merged_sft, tmp_path / "dpo")
     stacked = stack_adapters([sft, dpo], tmp_path / "stacked")
     config = json.loads((stacked / "adapter_config.json").read_text())
-    assert config["r"] == 6 and config["stacked_ranks"] == [4, 2]
+    assert config["r"] == 6 and json.loads((stacked / "stacked_from.json").read_text())["ranks"] == [4, 2]
+    assert "stacked_ranks" not in config  # PEFT's LoraConfig would warn on it
     assert config["target_modules"] == ["down_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     ids = torch.tensor([[1, 5, 9, 12, 7, 3, 22, 8]])
     want = _logits(merged_dpo, None, ids)
