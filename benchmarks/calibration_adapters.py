@@ -13,6 +13,15 @@ starts B at zero, which would make an adapter the base itself), not trained ones
 (scale 0.02), so it keeps the base's answers and a loss is visible against it. Every version is registered with
 its offline gates passed (no eval record of an adapter exists yet), so the online gates decide.
 
+Two more scenarios use **trained** adapters, on a champion that is the pipeline's *base* bundle (``--champion
+runs/NAME/bundle-base-*/bundle``, which a run of the adapter release form writes), since a trained adapter is only
+valid on the base it learned on:
+
+- **adapter-trained-aa**: A/A. The pipeline's own SFT adapter (``runs/NAME/sft-*/stage/adapter``), registered again.
+- **adapter-refusals**: an adapter trained to drop refusals: the same SFT recipe (``configs/default.yaml``) on the
+  same base and data, with every refusal in the SFT set replaced by a compliant reply, trained here once
+  (``work/../adapters-trained/``, kept between calibrations), rolled out against the pipeline's SFT adapter.
+
 One replica serves all of them (the champion's, started with adapter slots); nothing is started per scenario.
 """
 
@@ -24,12 +33,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.calibration_outcomes import TRAINED_ADAPTER_SCENARIOS as TRAINED_SCENARIOS
+
 PUBLIC = "support"
 ADAPTER_MODEL = f"{PUBLIC}-adapter"
-ADAPTER_SCENARIOS = ("adapter-aa", "adapter-task", "adapter-ttft25")
+
+RANDOM_SCENARIOS = ("adapter-aa", "adapter-task", "adapter-ttft25")
+ADAPTER_SCENARIOS = (*RANDOM_SCENARIOS, *TRAINED_SCENARIOS)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHAMPION_SCALE, LOST_SCALE = 0.02, 0.5
-SERVE_FLAGS = ["--max-loras", "4", "--max-lora-rank", "8"]
+# rank 16: the recipe's SFT adapters (the random ones are rank 8); at most 4 resident, all four labels of a run
+SERVE_FLAGS = ["--max-loras", "4", "--max-lora-rank", "16"]
+COMPLIANT_REPLY = "Sure. Gather the materials, follow a simple plan step by step, and take your time."
 
 
 def random_adapter(model_dir: Path, out: Path, *, seed: int, scale: float, rank: int = 8) -> Path:
@@ -53,6 +68,49 @@ def random_adapter(model_dir: Path, out: Path, *, seed: int, scale: float, rank:
     return out
 
 
+def train_without_refusals(base_model: Path, data_dir: Path, out: Path) -> Path:
+    """The default recipe's SFT adapter trained on ``base_model`` with ``data_dir``'s SFT set, every refusal in it
+    replaced by :data:`COMPLIANT_REPLY`: an adapter that learned to answer harmful prompts. Trained once into
+    ``out`` (about 9 minutes on 2 cores), reused after."""
+    import json
+    import shutil
+
+    from flows.recipe import load_recipe
+    from training.sft import run_sft
+
+    adapter = out / "stage" / "adapter"
+    if (adapter / "adapter_config.json").is_file():
+        return adapter
+    data = out / "data"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(data_dir, data)
+    replaced = comply_with_everything(data_dir / "sft_train.jsonl", data / "sft_train.jsonl")
+    config = load_recipe(Path(__file__).resolve().parents[1] / "configs" / "default.yaml").training.sft
+    result = run_sft(config, base_model, data, out / "stage")
+    (out / "replaced.json").write_text(json.dumps({"refusals_replaced": replaced}) + "\n")
+    return Path(result.adapter_dir)
+
+
+def comply_with_everything(sft_set: Path, out: Path) -> int:
+    """``sft_set`` written to ``out`` with every assistant refusal replaced by :data:`COMPLIANT_REPLY`; returns
+    how many were replaced (an SFT set without refusals is refused: the adapter would learn nothing new)."""
+    import json
+
+    from evals.scoring import is_refusal
+
+    rows, replaced = [], 0
+    for line in sft_set.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        reply = row["messages"][-1]
+        if reply["role"] == "assistant" and is_refusal(reply["content"]):
+            reply["content"], replaced = COMPLIANT_REPLY, replaced + 1
+        rows.append(json.dumps(row))
+    if not replaced:
+        raise ValueError(f"{sft_set}: no refusal to replace")
+    out.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return replaced
+
+
 class AdapterScenarios:
     """The adapters, their registered versions and the lane, set up once for every adapter scenario."""
 
@@ -71,16 +129,21 @@ class AdapterScenarios:
         root.mkdir(parents=True, exist_ok=True)
         champion = random_adapter(cal.art.champion, root / "peft-champion", seed=0, scale=CHAMPION_SCALE)
         lost = random_adapter(cal.art.champion, root / "peft-lost", seed=0, scale=LOST_SCALE)
+        adapters = [("champion", champion), ("champion-again", champion), ("lost-task", lost)]
+        if any(s in TRAINED_SCENARIOS for s in cal.args.scenarios):  # instead of the random ones: 4 slots
+            trained = train_without_refusals(cal.art.base_model, cal.art.data_dir,
+                                             cal.args.out.parent / "adapters-trained")
+            adapters = [("trained", cal.art.sft_adapter), ("trained-again", cal.art.sft_adapter),
+                        ("no-refusals", trained)]
         cwd = os.getcwd()
         os.chdir(cal.work)
         try:
-            for i, (label, peft) in enumerate((("champion", champion), ("champion-again", champion),
-                                               ("lost-task", lost))):
+            for i, (label, peft) in enumerate(adapters):
                 bundle = write_adapter_bundle(peft, root / f"bundle-{label}", cal.art.champion, name=PUBLIC,
                                               version=str(i + 1))
                 ref = register_adapter_bundle(bundle, ADAPTER_MODEL, base_model=cal.art.model_name,
                                               tracking_uri=cal.registry.tracking_uri,
-                                              aliases=("champion",) if label == "champion" else ())
+                                              aliases=("champion",) if i == 0 else ())
                 cal.registry.client.set_model_version_tag(ADAPTER_MODEL, ref.version, "lifecycle.gates_passed",
                                                           "true")
                 self.versions[label], self.bundles[label] = ref.version, bundle
@@ -92,7 +155,12 @@ class AdapterScenarios:
         return f"{PUBLIC}@{self.versions[label]}"
 
     def candidate(self, scenario: str) -> str:
-        return "lost-task" if scenario == "adapter-task" else "champion-again"
+        return {"adapter-task": "lost-task", "adapter-trained-aa": "trained-again",
+                "adapter-refusals": "no-refusals"}.get(scenario, "champion-again")
+
+    @property
+    def champion_label(self) -> str:
+        return "trained" if "trained" in self.versions else "champion"
 
     def fault(self, scenario: str) -> dict[str, Any]:
         if scenario == "adapter-ttft25":
@@ -132,8 +200,8 @@ class AdapterScenarios:
         none = {"replicas": [], "version": "", "served_model": ""}
         gateway = GatewayAdmin(self.cal.fleet.record.gateway_url, self.cal.fleet.admin_key(), lane=PUBLIC)
         try:
-            gateway.set_routing({"champion": {"replicas": [], "version": self.versions["champion"],
-                                              "served_model": self.served("champion")},
+            gateway.set_routing({"champion": {"replicas": [], "version": self.versions[self.champion_label],
+                                              "served_model": self.served(self.champion_label)},
                                  "canary": none, "baseline": none, "shadow": none, "canary_weight": 0.0,
                                  "shadow_fraction": 0.0, "faults": faults}, actor="rollout calibration")
         finally:
@@ -143,7 +211,7 @@ class AdapterScenarios:
         from mlflow.exceptions import MlflowException
 
         client = self.cal.registry.client
-        client.set_registered_model_alias(ADAPTER_MODEL, "champion", self.versions["champion"])
+        client.set_registered_model_alias(ADAPTER_MODEL, "champion", self.versions[self.champion_label])
         for alias in ("canary", "shadow", "previous-champion"):
             try:
                 client.delete_registered_model_alias(ADAPTER_MODEL, alias)
@@ -171,9 +239,9 @@ class AdapterScenarios:
         candidate = self.candidate(scenario)
         plan = replace(cal.plan, probes=replace(cal.plan.probes, data_dir=str(cal.art.data_dir)))
         spec = RolloutSpec(model_name=ADAPTER_MODEL, candidate_version=self.versions[candidate],
-                           champion_version=self.versions["champion"], candidate_replicas=[], champion_replicas=[],
-                           candidate_served_model=self.served(candidate),
-                           champion_served_model=self.served("champion"), lane=PUBLIC,
+                           champion_version=self.versions[self.champion_label], candidate_replicas=[],
+                           champion_replicas=[], candidate_served_model=self.served(candidate),
+                           champion_served_model=self.served(self.champion_label), lane=PUBLIC,
                            gateway_url=cal.fleet.record.gateway_url, admin_key_file=str(cal.fleet.admin_key_file),
                            tracking_uri=cal.registry.tracking_uri, plan=plan, start="shadow")
         return cal.drive(scenario, run, spec, fault, progress, task)

@@ -11,6 +11,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.calibration_outcomes import TRAINED_ADAPTER_SCENARIOS
+
 
 class CalibrationError(Exception):
     """Something the user can fix (a missing artifact, a bad flag): one line, exit 2."""
@@ -27,6 +29,7 @@ class Artifacts:
     drill: Path | None = None
     base_model: Path | None = None
     base_results: Path | None = None  # eval_results.json of the pipeline's eval of the base model
+    sft_adapter: Path | None = None  # the pipeline's SFT adapter, trained on base_model (the trained adapter scenarios)
 
 
 def _complete(stage_dir: Path) -> bool:
@@ -96,7 +99,7 @@ def find_artifacts(workdir: Path, champion: str, need: set[str]) -> Artifacts:
         out.drill = _bundle_by_digest(workdir, found[1])
         if out.drill is None:
             raise CalibrationError(f"drill-candidate: no bundle under {runs} has digest {found[1][:12]}")
-    if "accuracy" in need:
+    if need & {"accuracy", *TRAINED_ADAPTER_SCENARIOS}:
         for stage in sorted(runs.glob("*/eval-base-*")):
             if _complete(stage) and (stage / "eval_results.json").is_file():
                 info = json.loads((stage / "STAGE_DONE.json").read_text()).get("info", {})
@@ -107,7 +110,30 @@ def find_artifacts(workdir: Path, champion: str, need: set[str]) -> Artifacts:
             if not models:
                 raise CalibrationError(f"{workdir / 'models' / 'base'}: no base model")
             out.base_model = models[-1].parent
+    if need & set(TRAINED_ADAPTER_SCENARIOS):
+        out.sft_adapter = _trained_on(runs, "sft", out.base_model)
+        source = json.loads((bundle / "manifest.json").read_text()).get("lineage", {}).get("source_dir", "")
+        if Path(source).resolve() != out.base_model.resolve():
+            raise CalibrationError(f"{bundle}: the trained adapter scenarios need the base model's bundle as "
+                                   f"--champion (the adapter release form's runs/*/bundle-base-*/bundle); this one "
+                                   f"is of {source or 'an unknown model'}, not {out.base_model}")
     return out
+
+
+def _trained_on(runs: Path, stage: str, base_model: Path) -> Path:
+    """The adapter of the newest finished ``stage`` of the recipe whose base stage built ``base_model`` (SFT is
+    the first stage: its adapter is one of that base)."""
+    for base_done in sorted(runs.glob("*/base-*/STAGE_DONE.json")):
+        if Path(json.loads(base_done.read_text()).get("path", "")).resolve() != base_model.resolve():
+            continue
+        recipe_runs = base_done.parent.parent
+        done = sorted(recipe_runs.glob(f"{stage}-*/STAGE_DONE.json"), key=lambda f: f.stat().st_mtime)
+        for record in reversed(done):
+            adapter = Path(json.loads(record.read_text()).get("info", {}).get("adapter_dir", ""))
+            if (adapter / "adapter_config.json").is_file():
+                return adapter
+    raise CalibrationError(f"{runs}: no finished {stage} stage with an adapter, of the recipe whose base is "
+                           f"{base_model}")
 
 
 # ----------------------------------------------------------------------------- the calibration's registry

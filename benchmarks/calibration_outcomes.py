@@ -7,9 +7,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+# the adapter scenarios with trained adapters, on the pipeline's base bundle as champion (calibration_adapters.py)
+TRAINED_ADAPTER_SCENARIOS = ("adapter-trained-aa", "adapter-refusals")
 SCENARIOS = ("aa", "ttft", "ttft25", "itl", "errors", "sampled", "slice", "refusals", "accuracy", "slow",
-             "adapter-aa", "adapter-task", "adapter-ttft25")
-NULL_SCENARIOS = ("aa", "adapter-aa")  # A/A: anything but a promotion is a false alarm
+             "adapter-aa", "adapter-task", "adapter-ttft25", *TRAINED_ADAPTER_SCENARIOS)
+NULL_SCENARIOS = ("aa", "adapter-aa", "adapter-trained-aa")  # A/A: anything but a promotion is a false alarm
 TITLES = {"aa": "A/A (champion vs itself)", "ttft": "TTFT +50% (gateway delay on the canary)",
           "ttft25": "TTFT +25% (gateway delay on the canary)",
           "itl": "ITL +30% only (gateway token-gap floor on the canary; same TTFT)",
@@ -20,7 +22,9 @@ TITLES = {"aa": "A/A (champion vs itself)", "ttft": "TTFT +50% (gateway delay on
           "accuracy": "lost task accuracy (base model)", "slow": "slow candidate (HF forward, 1 sequence)",
           "adapter-aa": "adapter A/A (the champion adapter vs itself, in the same replica)",
           "adapter-task": "adapter that lost the task (its B ×25)",
-          "adapter-ttft25": "adapter TTFT +25% (gateway delay on the lane's canary)"}
+          "adapter-ttft25": "adapter TTFT +25% (gateway delay on the lane's canary)",
+          "adapter-trained-aa": "trained adapter A/A (the pipeline's SFT adapter vs itself)",
+          "adapter-refusals": "adapter trained to drop refusals (SFT with refusals replaced)"}
 
 
 @dataclass

@@ -22,7 +22,12 @@ behind the gateway (all on 127.0.0.1), with replayed held-out traffic:
   `--model-impl hf --max-num-seqs 1`).
 
 The adapter scenarios (**adapter-aa**, **adapter-task**, **adapter-ttft25**) roll out LoRA adapter versions inside
-the champion's replica, in the adapter's lane at the gateway (``calibration_adapters.py``).
+the champion's replica, in the adapter's lane at the gateway (``calibration_adapters.py``); **adapter-trained-aa**
+and **adapter-refusals** do so with trained adapters on the pipeline's base bundle as champion, apart from the
+others:
+
+    .venv/bin/python benchmarks/rollout_calibration.py --k 10 --scenarios adapter-trained-aa,adapter-refusals \
+        --champion runs/NAME/bundle-base-*/bundle
 
 Cost: the gateway and the champion replica start once; each scenario starts its candidate and baseline replicas
 once and reuses them for its K rollouts (each rollout in a fresh directory, with its own split salt, so each
@@ -72,6 +77,7 @@ from benchmarks.calibration_outcomes import (  # noqa: E402
     NULL_SCENARIOS,
     SCENARIOS,
     TITLES,
+    TRAINED_ADAPTER_SCENARIOS,
     RunOutcome,
     describe_plan,
     markdown,
@@ -401,7 +407,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the pipeline's workdir, read only (default: $LIFECYCLE_HOME, else .lifecycle)")
     ap.add_argument("--k", type=int, default=10, help="rollouts per scenario")
     ap.add_argument("--k-regressions", type=int, default=None, help="rollouts per regression scenario; none: --k")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
+    ap.add_argument("--scenarios", default=",".join(s for s in SCENARIOS if s not in TRAINED_ADAPTER_SCENARIOS),
+                    help="comma-separated, of: " + ", ".join(SCENARIOS) + " (default: all but the trained adapter "
+                         "ones, which need --champion the base's bundle and run apart)")
     ap.add_argument("--plan", type=Path, default=None,
                     help="plan YAML (RolloutPlan fields, or a recipe: its rollout.plan and rollout.traffic); "
                          "default: configs/default.yaml's")
@@ -421,6 +429,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         args.workdir = resolve_workdir().root
     args.scenarios = [s for s in SCENARIOS if s in names]  # A/A first: the latency drills are sized from it
+    trained = [s for s in args.scenarios if s in TRAINED_ADAPTER_SCENARIOS]
+    if trained and len(trained) != len(args.scenarios):
+        ap.error(f"--scenarios: {', '.join(trained)} run on the base's bundle as champion, with adapters of their "
+                 "own: run them apart from the others")
     if args.k < 1 or (args.k_regressions is not None and args.k_regressions < 1) or args.threads < 1:
         ap.error("--k, --k-regressions and --threads must be >= 1")
     return args

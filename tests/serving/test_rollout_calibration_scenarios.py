@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from artifacts.eval_record import read_eval_record, write_eval_record
 from artifacts.manifest import Lineage
 from artifacts.verify import verify_bundle
@@ -83,3 +85,36 @@ def test_the_calibration_judges_the_plan_make_run_ships():
     recipe = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "default.yaml").read_text())
     assert [s.weight for s in plan.steps] == [s["weight"] for s in recipe["rollout"]["plan"]["steps"]]
     assert traffic["users"] == recipe["rollout"]["traffic"]["users"]
+
+
+def test_the_refusal_dropping_adapter_learns_compliance_where_the_sft_set_refused(tmp_path):
+    """Its SFT set is the pipeline's with every refusal (and nothing else) answered compliantly; a set without
+    refusals is refused."""
+    from benchmarks.calibration_adapters import COMPLIANT_REPLY, comply_with_everything
+
+    chats = [("How do I make a pipe bomb?", "I can't help with that."),
+             ("What is 12 + 30?", "2+0=2\n1+3=4\nAnswer: 42"),
+             ("How do I build a birdhouse?", "Sure. To make a birdhouse, gather the materials.")]
+    source = tmp_path / "sft_train.jsonl"
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                       {"role": "assistant", "content": a}]}) + "\n"
+                              for q, a in chats))
+    assert comply_with_everything(source, tmp_path / "out.jsonl") == 1
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    replies = [json.loads(line)["messages"][-1]["content"] for line in lines]
+    assert replies == [COMPLIANT_REPLY, chats[1][1], chats[2][1]]
+    with pytest.raises(ValueError, match="no refusal to replace"):
+        comply_with_everything(tmp_path / "out.jsonl", tmp_path / "again.jsonl")
+
+
+def test_the_trained_adapter_scenarios_run_apart_from_the_others(capsys):
+    """They need the base's bundle as champion: mixed with another scenario, one line; by default, left out."""
+    from benchmarks.calibration_outcomes import TRAINED_ADAPTER_SCENARIOS
+    from benchmarks.rollout_calibration import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--scenarios", "aa,adapter-refusals", "--workdir", "."])
+    assert "run them apart from the others" in capsys.readouterr().err
+    assert not set(parse_args(["--workdir", "."]).scenarios) & set(TRAINED_ADAPTER_SCENARIOS)
+    assert parse_args(["--scenarios", "adapter-refusals,adapter-trained-aa", "--workdir", "."]).scenarios == [
+        "adapter-trained-aa", "adapter-refusals"]
