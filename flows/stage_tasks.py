@@ -481,11 +481,15 @@ def adapter_rollout_note(ctx: PipelineContext, release: StageOutput, data: Stage
 
     base_model, base_version = ctx.recipe.registered_model_name, str(release.info["base_version"])
     champion = RegistryConsole(base_model, ctx.workdir.tracking_uri()).alias_version("champion")
-    lines = []
-    if champion != base_version:
-        serving = f"champion is v{champion}" if champion else "nothing serves it yet"
-        lines.append(f"its base {release.info['base_uri']} must serve first ({serving}): deploy snapshot "
-                     f"{release.info['base_uri']} --max-loras 4 --wait")
+    lines, base_uri = [], release.info["base_uri"]
+    if champion is None:
+        lines.append(f"its base {base_uri} must serve first: deploy snapshot {base_uri} --max-loras 4 --wait")
+    elif champion != base_version:
+        # an adapter is served only in its own base's replicas, and those serve the base model's champion
+        lines.append(f"its base {base_uri} is not {base_model}'s champion (v{champion}); an adapter serves only on "
+                     f"its own base: roll the base out first (deploy snapshot {base_uri} --max-loras 4 --wait), or "
+                     f"register the adapter form's base under a model of its own (registry.model_name) and "
+                     "serve it from a fleet of its own (deploy --fleet)")
     lines.append(f"{adapter_uri} is `candidate`; roll it out in its lane with: deploy snapshot {adapter_uri} "
                  f"--probes {data.path} --wait")
     for line in lines:
