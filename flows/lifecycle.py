@@ -19,19 +19,17 @@ import mlflow
 from prefect import flow
 
 from artifacts.common.workdir import sqlite_artifact_root
+from flows.adapter_release import adapter_rollout_note, release_adapter
 from flows.environment import resolve_workdir
 from flows.notify import notify_failure
 from flows.prefect_artifacts import publish_artifacts
 from flows.ray_runner import stage_runner
 from flows.recipe import load_recipe
-from flows.report import PipelineReport, adapter_note, draft_note, quantized_table, stage_change_note
+from flows.report import PipelineReport, draft_note, quantized_table, stage_change_note
 from flows.stage_runner import StageOutput, console
 from flows.stage_tasks import (
     PipelineContext,
-    adapter_bundle_stage,
-    adapter_release_stage,
-    adapter_rollout_note,
-    adapter_stage,
+    advise,
     base_stage,
     bundle_stage,
     data_key,
@@ -97,7 +95,7 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
         report.add_eval("base", eval_stage(ctx, "base", base, data))
         model = _post_train(ctx, report, base, data)
         if recipe.release.form == "adapter":
-            rollout = adapter_rollout_note(ctx, _release_adapter(ctx, report, base, data), data)
+            rollout = adapter_rollout_note(ctx, release_adapter(ctx, report, base, data), data)
         else:
             draft = None
             if recipe.draft is not None:
@@ -160,48 +158,8 @@ def _release(ctx: PipelineContext, report: PipelineReport, model: StageOutput,
             report.notes.append(f"{variant}: registered {release.info['model_uri']}{alias} "
                                 f"({release.info['gates']})")
         if not release.info.get("gates_passed", True):
-            _advise(ctx, report, variant, evaluation)
+            advise(ctx, report, variant, evaluation)
     return releases
-
-
-def _release_adapter(ctx: PipelineContext, report: PipelineReport, base: StageOutput,
-                     data: StageOutput) -> StageOutput:
-    """The adapter form (recipe ``release.form: adapter``): the stages' adapters stacked into one, bundled against
-    the base bundle, evaluated on the base as a server's slot applies it, gated and registered with its base."""
-    trained = [ctx.outputs[name] for name in ("sft", "dpo", "grpo") if getattr(ctx.recipe.training, name).enabled]
-    adapter = adapter_stage(ctx, trained)
-    report.add_stage(adapter)
-    base_bundle = bundle_stage(ctx, "base", base.path, base, data)
-    report.add_stage(base_bundle)
-    adapter_bundle = adapter_bundle_stage(ctx, adapter, base_bundle, data)
-    report.add_stage(adapter_bundle)
-    evaluation = eval_stage(ctx, "bundle-adapter", base_bundle, data, adapter=adapter_bundle)
-    report.add_eval("bundle-adapter", evaluation)
-    # the base bundle holds the base stage's weights, evaluated as "base": its record is that evaluation
-    release = adapter_release_stage(ctx, base_bundle, report.evals["base"], adapter_bundle, evaluation)
-    report.add_stage(release)
-    last = trained[-1].stage
-    report.notes.append(adapter_note(adapter, evaluation.metrics, report.evals[last].metrics, last))
-    if "model_uri" in release.info:
-        alias = f" @{release.info['alias']}" if "alias" in release.info else ""
-        report.notes.append(f"adapter: registered {release.info['model_uri']}{alias} on its base "
-                            f"{release.info['base_uri']} ({release.info['gates']})")
-    if not release.info.get("gates_passed", True):
-        _advise(ctx, report, "adapter", evaluation)
-    return release
-
-
-def _advise(ctx: PipelineContext, report: PipelineReport, variant: str, evaluation: StageOutput) -> None:
-    """A release that failed its gates: which stage lost each metric, and the recipe keys to look at."""
-    from evals.gates import failed_gates
-    from flows.gate_advice import failed_gate_advice
-
-    chain = [label for label in ("base", "sft", "dpo", "grpo") if label in report.evals]
-    chain += (["bundle-fp"] if variant not in ("fp", "adapter") else []) + [f"bundle-{variant}"]
-    failed = failed_gates(ctx.recipe.parsed_gates(), evaluation.metrics)
-    for line in failed_gate_advice(failed, {label: out.metrics for label, out in report.evals.items()}, chain):
-        console.print(f"[yellow]- release-{variant}[/] {line}", highlight=False)
-        report.notes.append(f"{variant}: {line}")
 
 
 def _finish(ctx: PipelineContext, report: PipelineReport, data: StageOutput, rollout: RolloutOutcome | None,
