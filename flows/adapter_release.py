@@ -168,19 +168,26 @@ def adapter_rollout_note(ctx: PipelineContext, release: StageOutput, data: Stage
         line = f"{adapter_uri} failed its gates ({release.info['gates']}); nothing to roll out"
         console.print(f"[yellow]- rollout[/] {line}", highlight=False)
         return RolloutOutcome(version, "gates-failed", [line])
+    from artifacts.adapter_bundle import read_adapter_manifest
     from serving.rollout import RegistryConsole
 
     base_model, base_version = ctx.recipe.registered_model_name, str(release.info["base_version"])
     champion = RegistryConsole(base_model, ctx.workdir.tracking_uri()).alias_version("champion")
     lines, base_uri = [], release.info["base_uri"]
+    # the stacked adapter's rank is the stages' ranks summed (48 for three rank-16 stages): the slots must hold it
+    rank = read_adapter_manifest(release.path).lora.rank
+    slots = f"--max-loras 4 --max-lora-rank {max(16, rank)}"
     if champion is None:
-        lines.append(f"its base {base_uri} must serve first: deploy snapshot {base_uri} --max-loras 4 --wait")
+        lines.append(f"its base {base_uri} must serve first: deploy snapshot {base_uri} {slots} --wait")
     elif champion != base_version:
         # an adapter is served only in its own base's replicas, and those serve the base model's champion
         lines.append(f"its base {base_uri} is not {base_model}'s champion (v{champion}); an adapter serves only on "
-                     f"its own base: roll the base out first (deploy snapshot {base_uri} --max-loras 4 --wait), or "
+                     f"its own base: roll the base out first (deploy snapshot {base_uri} {slots} --wait), or "
                      f"register the adapter form's base under a model of its own (registry.model_name) and "
                      "serve it from a fleet of its own (deploy --fleet)")
+    else:
+        lines.append(f"its base {base_uri} is champion; its replicas need adapter slots of rank ≥ {rank} "
+                     f"(deployed with {slots})")
     lines.append(f"{adapter_uri} is `candidate`; roll it out in its lane with: deploy snapshot {adapter_uri} "
                  f"--probes {data.path} --wait")
     for line in lines:

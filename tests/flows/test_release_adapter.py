@@ -76,8 +76,8 @@ def test_the_adapter_form_ships_a_stacked_adapter_on_the_base_gated_as_served(mi
     # the rollout goes on by hand, in the base's lane, and the lines say how
     rollout = summary["rollout"]
     assert rollout["result"] == "manual", rollout
-    assert any(f"deploy snapshot models:/micro-e2e/{release['base_version']} --max-loras" in line
-               for line in rollout["lines"])
+    assert any(f"deploy snapshot models:/micro-e2e/{release['base_version']} --max-loras 4 --max-lora-rank 16"
+               in line for line in rollout["lines"])  # slots that hold the stacked rank (12)
     assert any("deploy snapshot models:/micro-e2e-adapter/1 --probes" in line for line in rollout["lines"])
     _deploy_as_printed(rollout["lines"], summary, tmp_path)
 
@@ -109,7 +109,7 @@ def _deploy_as_printed(lines: list[str], summary: dict, tmp_path: Path) -> None:
     home, fleet = tmp_path / "workdir", tmp_path / "fleet"
     common = ["--fleet", str(fleet), "--tracking-uri", summary["tracking_uri"]]
     try:
-        for line in lines:
+        for line in (line for line in lines if "deploy snapshot " in line):
             command = shlex.split(line[line.index("deploy snapshot "):])[1:]
             serve = ["--threads", "1", "--kv-memory", "16MiB"] if "--max-loras" in command else []
             done = deploy(*command, *common, *serve, home=home)
