@@ -298,7 +298,7 @@ class GateVerdict:
 
 
 def record_and_gate(ctx: PipelineContext, bundle_path: str, evaluation: StageOutput,
-                     log_to_stage_run: bool = True) -> GateVerdict:
+                    log_to_stage_run: bool = True) -> GateVerdict:
     """Check the recipe's gates on ``evaluation`` and write the eval record beside the bundle's manifest (also
     logged to the stage's run, beside the version registered from it, so a rollout controller on another host
     reads the version's record)."""
@@ -319,7 +319,7 @@ def record_and_gate(ctx: PipelineContext, bundle_path: str, evaluation: StageOut
     gate_lines = "\n".join(f"- {'✓' if c.passed else '✗'} {c.reason}" for c in report.checks)
     count = f"{sum(c.passed for c in report.checks)}/{len(report.checks)} passed"
     return GateVerdict(report.passed, report.summary(), count,
-                        f"Release gates: {report.summary()}\n{gate_lines}\n", record_path)
+                       f"Release gates: {report.summary()}\n{gate_lines}\n", record_path)
 
 
 def tag_release(ref: Any, verdict: GateVerdict, candidate: bool, alias: str) -> dict[str, Any]:
