@@ -42,7 +42,7 @@ RANDOM_SCENARIOS = ("adapter-aa", "adapter-task", "adapter-ttft25")
 ADAPTER_SCENARIOS = (*RANDOM_SCENARIOS, *TRAINED_SCENARIOS)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHAMPION_SCALE, LOST_SCALE = 0.02, 0.5
-# rank 16: the recipe's SFT adapters (the random ones are rank 8); at most 4 resident, all four labels of a run
+# rank 16: the recipe's SFT adapters (the random ones are rank 8); 4 slots hold a run's three versions
 SERVE_FLAGS = ["--max-loras", "4", "--max-lora-rank", "16"]
 COMPLIANT_REPLY = "Sure. Gather the materials, follow a simple plan step by step, and take your time."
 
@@ -71,7 +71,7 @@ def random_adapter(model_dir: Path, out: Path, *, seed: int, scale: float, rank:
 def train_without_refusals(base_model: Path, data_dir: Path, out: Path) -> Path:
     """The default recipe's SFT adapter trained on ``base_model`` with ``data_dir``'s SFT set, every refusal in it
     replaced by :data:`COMPLIANT_REPLY`: an adapter that learned to answer harmful prompts. Trained once into
-    ``out`` (about 9 minutes on 2 cores), reused after."""
+    ``out`` (400 steps, 2.5 minutes on the 2-core Intel host), reused after."""
     import json
     import shutil
 
@@ -127,14 +127,15 @@ class AdapterScenarios:
         cal = self.cal
         root = cal.work / "adapters"
         root.mkdir(parents=True, exist_ok=True)
-        champion = random_adapter(cal.art.champion, root / "peft-champion", seed=0, scale=CHAMPION_SCALE)
-        lost = random_adapter(cal.art.champion, root / "peft-lost", seed=0, scale=LOST_SCALE)
-        adapters = [("champion", champion), ("champion-again", champion), ("lost-task", lost)]
-        if any(s in TRAINED_SCENARIOS for s in cal.args.scenarios):  # instead of the random ones: 4 slots
+        if any(s in TRAINED_SCENARIOS for s in cal.args.scenarios):  # they run apart: no random adapter needed
             trained = train_without_refusals(cal.art.base_model, cal.art.data_dir,
                                              cal.args.out.parent / "adapters-trained")
             adapters = [("trained", cal.art.sft_adapter), ("trained-again", cal.art.sft_adapter),
                         ("no-refusals", trained)]
+        else:
+            champion = random_adapter(cal.art.champion, root / "peft-champion", seed=0, scale=CHAMPION_SCALE)
+            lost = random_adapter(cal.art.champion, root / "peft-lost", seed=0, scale=LOST_SCALE)
+            adapters = [("champion", champion), ("champion-again", champion), ("lost-task", lost)]
         cwd = os.getcwd()
         os.chdir(cal.work)
         try:
