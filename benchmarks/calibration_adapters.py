@@ -122,7 +122,7 @@ class AdapterScenarios:
     def prepare(self) -> None:
         from artifacts.adapter_bundle import write_adapter_bundle
         from artifacts.adapter_registry import register_adapter_bundle
-        from serving.deploy.adapter import load_adapter
+        from serving.rollout.adapter_lane import load_adapter
 
         cal = self.cal
         root = cal.work / "adapters"

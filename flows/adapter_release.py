@@ -1,7 +1,6 @@
 """The adapter release form (recipe ``release: {form: adapter}``): the stages' adapters stacked into one, bundled
 against the base bundle, evaluated on the base as a server's adapter slot runs it, gated and registered with its
-base's version; the last stage prints the `deploy` commands that roll it out (docs/pipeline.md, "The adapter
-release form").
+base's version (docs/pipeline.md, "The adapter release form"); its rollout stage is ``flows.adapter_rollout``.
 
 The merged form's stages are in ``flows.stage_tasks``; these reuse its context, bundle and eval stages, and its
 gate check and registry tags, so both forms record a release the same way.
@@ -18,7 +17,7 @@ import mlflow
 
 from artifacts.errors import LifecycleError
 from flows.report import PipelineReport, adapter_note
-from flows.stage_runner import StageOutput, console, stage_key
+from flows.stage_runner import StageOutput, stage_key
 from flows.stage_tasks import (
     PipelineContext,
     advise,
@@ -151,45 +150,3 @@ def adapter_release_stage(ctx: PipelineContext, base_bundle: StageOutput, base_e
         return {"gates_passed": float(verdict.passed)}, info
 
     return ctx.run("release-adapter", key, release)
-
-
-def adapter_rollout_note(ctx: PipelineContext, release: StageOutput, data: StageOutput):
-    """The adapter form's last stage: the commands that roll the new adapter out (never cached).
-
-    The pipeline's own rehearsal fleet is built around one snapshot and its baseline replica; an adapter's rollout
-    runs in a lane of the replicas already serving its base, which is the deploy fleet's job, so here the release
-    stops at ``candidate`` whatever ``rollout.mode`` says, and the lines say how to go on."""
-    from flows.rollout import RolloutOutcome
-
-    if ctx.recipe.rollout.mode == "off" or "version" not in release.info:
-        return None
-    adapter_uri, version = release.info["model_uri"], str(release.info["version"])
-    if "alias" not in release.info:
-        line = f"{adapter_uri} failed its gates ({release.info['gates']}); nothing to roll out"
-        console.print(f"[yellow]- rollout[/] {line}", highlight=False)
-        return RolloutOutcome(version, "gates-failed", [line])
-    from artifacts.adapter_bundle import read_adapter_manifest
-    from serving.rollout import RegistryConsole
-
-    base_model, base_version = ctx.recipe.registered_model_name, str(release.info["base_version"])
-    champion = RegistryConsole(base_model, ctx.workdir.tracking_uri()).alias_version("champion")
-    lines, base_uri = [], release.info["base_uri"]
-    # the stacked adapter's rank is the stages' ranks summed (48 for three rank-16 stages): the slots must hold it
-    rank = read_adapter_manifest(release.path).lora.rank
-    slots = f"--max-loras 4 --max-lora-rank {max(16, rank)}"
-    if champion is None:
-        lines.append(f"its base {base_uri} must serve first: deploy snapshot {base_uri} {slots} --wait")
-    elif champion != base_version:
-        # an adapter is served only in its own base's replicas, and those serve the base model's champion
-        lines.append(f"its base {base_uri} is not {base_model}'s champion (v{champion}); an adapter serves only on "
-                     f"its own base: roll the base out first (deploy snapshot {base_uri} {slots} --wait), or "
-                     f"register the adapter form's base under a model of its own (registry.model_name) and "
-                     "serve it from a fleet of its own (deploy --fleet)")
-    else:
-        lines.append(f"its base {base_uri} is champion; its replicas need adapter slots of rank ≥ {rank} "
-                     f"(deployed with {slots})")
-    lines.append(f"{adapter_uri} is `candidate`; roll it out in its lane with: deploy snapshot {adapter_uri} "
-                 f"--probes {data.path} --wait")
-    for line in lines:
-        console.print(f"[yellow]- rollout[/] adapter form, by hand: {line}", highlight=False)
-    return RolloutOutcome(version, "manual", lines)

@@ -19,7 +19,8 @@ import mlflow
 from prefect import flow
 
 from artifacts.common.workdir import sqlite_artifact_root
-from flows.adapter_release import adapter_rollout_note, release_adapter
+from flows.adapter_release import release_adapter
+from flows.adapter_rollout import adapter_rollout_stage
 from flows.environment import resolve_workdir
 from flows.notify import notify_failure
 from flows.prefect_artifacts import publish_artifacts
@@ -95,7 +96,7 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
         report.add_eval("base", eval_stage(ctx, "base", base, data))
         model = _post_train(ctx, report, base, data)
         if recipe.release.form == "adapter":
-            rollout = adapter_rollout_note(ctx, release_adapter(ctx, report, base, data), data)
+            rollout = adapter_rollout_stage(ctx, release_adapter(ctx, report, base, data), data)
         else:
             draft = None
             if recipe.draft is not None:

@@ -1,7 +1,9 @@
 """The adapter release form (recipe ``release: {form: adapter}``, issue 33 item 4) through the real CLI, Prefect
 engine and MLflow store, on the micro smoke recipe: the stages' adapters stacked into one, bundled against the base
-bundle, evaluated on the base as a server's slot applies it, gated and registered with its base's version; a
-recipe whose gates the adapter fails registers it without the candidate alias and rolls nothing out."""
+bundle, evaluated on the base as a server's slot applies it, gated and registered with its base's version. The
+rollout stage prints the `deploy` commands (`rollout.mode: manual`), which then work as printed; with `auto`, the
+next version is rolled out in its lane of a rehearsal fleet of the base, judged by the recipe's plan; a recipe whose
+gates the adapter fails registers it without the candidate alias and rolls nothing out."""
 
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ def test_the_adapter_form_ships_a_stacked_adapter_on_the_base_gated_as_served(mi
     from artifacts.eval_record import read_eval_record
     from serving.rollout import RegistryConsole
 
+    recipe = yaml.safe_load(micro_recipe.read_text())
+    recipe["rollout"]["mode"] = "manual"
+    micro_recipe.write_text(yaml.safe_dump(recipe, sort_keys=False))
     recipe = _adapter_recipe(micro_recipe)
     first = run_lifecycle(recipe, tmp_path / "first.json")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
@@ -81,19 +86,53 @@ def test_the_adapter_form_ships_a_stacked_adapter_on_the_base_gated_as_served(mi
     assert any("deploy snapshot models:/micro-e2e-adapter/1 --probes" in line for line in rollout["lines"])
     _deploy_as_printed(rollout["lines"], summary, tmp_path)
 
+    _rolled_out_in_its_lane(recipe, client, str(base_version.version), tmp_path)
+
     # a gate the adapter fails (planted in the recipe): registered for the record, no alias, nothing rolled out;
     # every stage before the release comes from the cache
     recipe = _adapter_recipe(recipe, gates=["task_accuracy >= 1.01"])
+    third = run_lifecycle(recipe, tmp_path / "third.json")
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-5000:]
+    summary = json.loads((tmp_path / "third.json").read_text())
+    assert summary["stages"]["eval-bundle-adapter"]["cached"] and not summary["stages"]["release-adapter"]["cached"]
+    release = summary["stages"]["release-adapter"]
+    assert release["model_uri"] == "models:/micro-e2e-adapter/3" and "alias" not in release
+    assert release["base_version"] == str(base_version.version)  # the same base bundle: found by its digest
+    assert summary["rollout"]["result"] == "gates-failed"
+    assert not read_eval_record(Path(release["path"])).passed
+
+
+def _rolled_out_in_its_lane(recipe: Path, client, base_version: str, tmp_path: Path) -> None:
+    """``rollout.mode: auto`` over the champion adapter v1 (deployed by hand above): the same adapter released again
+    (another passing gate list re-runs only the release) is v2, and the stage rolls it out in the lane of a rehearsal
+    fleet of the base, against v1 loaded beside it, under replayed traffic naming the adapter. The floor is measured
+    and the shadow phase runs; there the smoke recipe's evals (8 examples) are too few for the offline comparison
+    (20), so the A/A pauses for a person, saying so: never a rollback, and not a promotion the evidence could not
+    carry. v1 stays champion, the version row says paused and how to roll v2 out by hand, and the rehearsal fleet
+    is gone. (A lane's canary steps, promotion and rollback: tests/serving/test_adapter_rollout.py.)"""
+    config = yaml.safe_load(recipe.read_text())
+    config["rollout"]["mode"] = "auto"
+    config["gates"] = [*config["gates"], "task_accuracy >= 0.0"]
+    recipe.write_text(yaml.safe_dump(config, sort_keys=False))
     second = run_lifecycle(recipe, tmp_path / "second.json")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     summary = json.loads((tmp_path / "second.json").read_text())
-    assert summary["stages"]["eval-bundle-adapter"]["cached"] and not summary["stages"]["release-adapter"]["cached"]
     release = summary["stages"]["release-adapter"]
-    assert release["model_uri"] == "models:/micro-e2e-adapter/2" and "alias" not in release
-    assert release["base_version"] == str(base_version.version)  # the same base bundle: found by its digest
-    assert str(client.get_model_version_by_alias("micro-e2e-adapter", "candidate").version) == "1"
-    assert summary["rollout"]["result"] == "gates-failed"
-    assert not read_eval_record(Path(release["path"])).passed
+    assert release["model_uri"] == "models:/micro-e2e-adapter/2" and release["alias"] == "candidate"
+    assert release["base_version"] == base_version
+    rollout = summary["rollout"]
+    assert (rollout["version"], rollout["result"]) == ("2", "paused"), rollout
+    lines = "\n".join(rollout["lines"])
+    assert "baseline → shadow" in lines and "shadow: unset → v2" in lines, lines
+    assert "shadow → paused" in lines and "offline_accuracy (too few samples (8 candidate, 8 baseline" in lines
+    (traffic,) = [line for line in rollout["lines"] if line.startswith("traffic: ")]
+    assert "0 errors seen by users" in traffic, traffic
+    assert str(client.get_model_version_by_alias("micro-e2e-adapter", "champion").version) == "1"
+    tags = client.get_model_version("micro-e2e-adapter", "2").tags
+    assert tags["rollout.state"] == "paused"
+    assert tags["rollout.restart_with"].startswith("deploy snapshot models:/micro-e2e-adapter/2 --plan ")
+    fleet = json.loads((Path(config["workdir"]) / "runs" / "micro-e2e" / "fleet" / "fleet.json").read_text())
+    assert not fleet["replicas"] and not fleet["gateway_pid"], fleet  # the rehearsal fleet stopped with the stage
 
 
 def _deploy_as_printed(lines: list[str], summary: dict, tmp_path: Path) -> None:
