@@ -167,7 +167,7 @@ def install_first(fleet, model_name: str, version: str, bundle: str, tracking_ur
     result = install_on_fleet(fleet, model_name=model_name, version=version, bundle=bundle,
                               tracking_uri=tracking_uri, cause="first champion: no champion before",
                               actor="lifecycle pipeline", first=True, serve_flags=serve_flags)
-    line = f"v{version} is champion (first champion, smoke check passed; MLflow run {result['run_id']})"
+    line = f"{model_name} v{version} is champion (first champion, smoke check passed; MLflow run {result['run_id']})"
     console.print(f"[green]✓ rollout[/] {line}", highlight=False)
     return RolloutOutcome(version, "champion-installed", [line], result["run_id"])
 
