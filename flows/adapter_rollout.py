@@ -100,8 +100,11 @@ def pipeline_adapter_rollout(section: RolloutSection, adapter: AdapterRelease, d
     if decided is not None:
         return decided
     base_champion = RegistryConsole(adapter.base_model, tracking_uri).alias_version("champion")
-    if section.mode == "manual" or base_champion not in (None, adapter.base_version):
-        return _by_hand(adapter, base_champion, data_dir, manual=section.mode == "manual")
+    champion_base = _base_version_of(adapter.adapter_model, champion, tracking_uri)
+    if section.mode == "manual" or base_champion not in (None, adapter.base_version) or \
+            champion_base not in (None, adapter.base_version):
+        return _by_hand(adapter, base_champion, data_dir, manual=section.mode == "manual",
+                        champion=(champion, champion_base))
     fleet = rehearsal_fleet(section, fleet_dir, adapter.base_model, tracking_uri)
     try:
         lines: list[str] = []
@@ -153,11 +156,28 @@ def _roll_out_in_lane(section: RolloutSection, fleet, adapter: AdapterRelease, c
     return drive_rehearsal(section, fleet, controller, data_dir, model=public)
 
 
-def _by_hand(adapter: AdapterRelease, base_champion: str | None, data_dir: str, manual: bool) -> RolloutOutcome:
+def _base_version_of(adapter_model: str, version: str | None, tracking_uri: str) -> str | None:
+    """The base version a registered adapter version was trained on (None for no version)."""
+    if version is None:
+        return None
+    from artifacts.adapter_registry import adapter_base
+
+    return adapter_base(adapter_model, version, tracking_uri)[1]
+
+
+def _by_hand(adapter: AdapterRelease, base_champion: str | None, data_dir: str, manual: bool,
+             champion: tuple[str | None, str | None] = (None, None)) -> RolloutOutcome:
     """The ``deploy`` commands that roll the adapter out: what ``rollout.mode: manual`` asks for, and all the
-    pipeline can offer when the base model's champion is another snapshot (an adapter serves only on its base)."""
+    pipeline can offer when the base model's champion is another snapshot (an adapter serves only on its base), or
+    when the champion adapter was trained on another base than this one (the two cannot share a replica, so no
+    canary can compare them)."""
     slots = " ".join(adapter.slots)
     lines = []
+    champion_version, champion_base = champion
+    if champion_base not in (None, adapter.base_version):
+        lines.append(f"the champion {adapter.adapter_model} v{champion_version} was trained on {adapter.base_model} "
+                     f"v{champion_base}, this version on v{adapter.base_version}: no replica serves both, so no "
+                     "canary compares them: once its base serves, it replaces the champion on its release gates")
     if base_champion is None:
         lines.append(f"its base {adapter.base_uri} must serve first: deploy snapshot {adapter.base_uri} {slots} "
                      "--wait")
@@ -169,8 +189,12 @@ def _by_hand(adapter: AdapterRelease, base_champion: str | None, data_dir: str, 
     else:
         lines.append(f"its base {adapter.base_uri} is champion; its replicas need adapter slots of rank ≥ "
                      f"{adapter.rank} (deployed with {slots})")
-    lines.append(f"{adapter.adapter_uri} is `candidate`; roll it out in its lane with: deploy snapshot "
-                 f"{adapter.adapter_uri} --probes {data_dir} --wait")
+    if champion_base not in (None, adapter.base_version):
+        lines.append(f"{adapter.adapter_uri} is `candidate`; install it in its lane with: deploy snapshot "
+                     f"{adapter.adapter_uri} --as champion")
+    else:
+        lines.append(f"{adapter.adapter_uri} is `candidate`; roll it out in its lane with: deploy snapshot "
+                     f"{adapter.adapter_uri} --probes {data_dir} --wait")
     how = "manual" if manual else "by hand"
     for line in lines:
         console.print(f"[yellow]- rollout[/] adapter form, {how}: {line}", highlight=False)
