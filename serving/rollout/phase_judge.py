@@ -98,16 +98,17 @@ class PhaseJudge:
         if items:
             candidate_variant = "shadow" if state.phase == SHADOW else "canary"
             self.say(f"probing champion and candidate with {len(items)} verifiable prompts")
-            champion = run_probes(self.gateway, "champion", items, self.plan.probes).to_json()
+            salt = f"{state.id}/{len(state.analyses)}"  # the sampled probes' seeds: both sides alike, fresh per look
+            champion = run_probes(self.gateway, "champion", items, self.plan.probes, salt).to_json()
             if state.phase == CANARY and spec.has_baseline:
                 # in a canary step the same probes go to the baseline at the same time, so the load they add
                 # falls on both replicas the latency gates compare, not on the candidate's alone
                 with ThreadPoolExecutor(2) as pool:
-                    mirrored = pool.submit(run_probes, self.gateway, "baseline", items, self.plan.probes)
-                    candidate = run_probes(self.gateway, candidate_variant, items, self.plan.probes).to_json()
+                    mirrored = pool.submit(run_probes, self.gateway, "baseline", items, self.plan.probes, salt)
+                    candidate = run_probes(self.gateway, candidate_variant, items, self.plan.probes, salt).to_json()
                     mirrored.result()
             else:
-                candidate = run_probes(self.gateway, candidate_variant, items, self.plan.probes).to_json()
+                candidate = run_probes(self.gateway, candidate_variant, items, self.plan.probes, salt).to_json()
             scores = {"champion": champion, "candidate": candidate}
             state.probes = scores
             verdicts += A.probe_verdicts(scores, self.plan.gates, self.alpha)

@@ -2,6 +2,14 @@
 each task prompt several times more at the server's own sampling (no temperature in the request), and a few task
 prompts asked for a JSON answer under ``response_format`` and as a required tool call.
 
+Each sampled draw carries a seed, the same for champion and candidate (fresh at every look and in every rollout):
+both sides then
+sample with the same random numbers, as the gateway's shadow mirror does, so an unchanged model draws the same
+answers and a changed one differs only where its distribution does. Each side still samples from its own served
+distribution; what the seed removes is the noise of two independent draws, which on 160 draws a side read ±0.055
+against a 0.05 tolerance and made an unchanged model's shadow phase extend one time in five (RESULTS.md, "Rollout
+calibration with latency power").
+
 Live traffic has no reference answers, so the behaviour gates that need one (task accuracy, refusals of
 harmful prompts, over-refusal of benign look-alikes, the reply format) come from these probes, scored by
 the project's one reply contract (``evals.scoring``). The probes go through the gateway pinned to a variant
@@ -10,6 +18,7 @@ and marked as probes, so they exercise the real serving path without counting as
 
 from __future__ import annotations
 
+import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -46,6 +55,7 @@ class ProbeItem:
     kind: str
     prompt: str
     answer: str = ""
+    draw: int = 0  # a sampled probe's number among the sampled probes: with a look's salt, its seed
 
 
 @dataclass
@@ -94,7 +104,8 @@ def load_probes(spec: Probes) -> list[ProbeItem]:
         heldout = _jsonl(root / "tasks_heldout.jsonl")
         tasks = heldout[:spec.tasks]
         items += [ProbeItem("task", r["prompt"], str(r["answer"])) for r in tasks]
-        items += [ProbeItem("sampled", r["prompt"], str(r["answer"])) for r in tasks for _ in range(spec.samples)]
+        items += [ProbeItem("sampled", r["prompt"], str(r["answer"]), draw=i * spec.samples + j)
+                  for i, r in enumerate(tasks) for j in range(spec.samples)]
         safety = _jsonl(root / "safety_heldout.jsonl")
         harmful = [r for r in safety if r.get("should_refuse")]
         benign = [r for r in safety if not r.get("should_refuse")]
@@ -114,15 +125,26 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def probe_body(item: ProbeItem, max_tokens: int) -> dict[str, Any]:
+def probe_seed(item: ProbeItem, salt: str) -> int:
+    """A sampled probe's seed: the same for every variant probed with one ``salt`` (a rollout's look), another for
+    every draw, every look (a look that re-probes draws afresh, not the same answers again) and every rollout (two
+    rollouts are two samples, as a calibration counts them). 56 bits: within the signed 64-bit range the API takes."""
+    digest = hashlib.sha256(f"{salt}/{item.draw}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
+def probe_body(item: ProbeItem, max_tokens: int, salt: str = "") -> dict[str, Any]:
     """The chat request a probe sends: greedy except the sampled probes, which leave the sampling to the
-    snapshot's served defaults; a JSON probe names its schema, a tool probe offers one tool and requires it."""
+    snapshot's served defaults and carry their seed (`probe_seed`); a JSON probe names its schema, a tool probe
+    offers one tool and requires it."""
     prompt = json_task_prompt(item.prompt) if item.kind == "json" else item.prompt
     if item.kind in STRUCTURED_KINDS:  # a grammar ends the reply once it is complete: room costs nothing unused
         max_tokens = max(max_tokens, STRUCTURED_MIN_TOKENS)
     body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
     if item.kind != "sampled":
         body["temperature"] = 0
+    else:
+        body["seed"] = probe_seed(item, salt)
     if item.kind == "json":
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "answer", "strict": True, "schema": answer_schema(item.answer)}}
@@ -144,10 +166,13 @@ def structured_reply(item: ProbeItem, choice: dict[str, Any]) -> str | None:
     return calls[0]["function"]["arguments"]
 
 
-def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[ProbeItem], spec: Probes) -> ProbeScore:
+def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[ProbeItem], spec: Probes,
+               salt: str = "") -> ProbeScore:
+    """Send ``items`` to ``variant`` and score the answers. ``salt`` seeds the sampled probes (`probe_seed`): give
+    every variant probed at one look the same, and each look its own."""
     def ask(item: ProbeItem) -> tuple[ProbeItem, Any, bool]:  # the reply: text, None (no answer), NOT_APPLICABLE
         try:
-            response = gateway.ask(variant, probe_body(item, spec.max_tokens))
+            response = gateway.ask(variant, probe_body(item, spec.max_tokens, salt))
         except httpx.HTTPError:  # unreachable, timed out, broke off: a probe error, counted
             return item, None, False
         if item.kind in STRUCTURED_KINDS and response.status_code == 400:

@@ -27,7 +27,7 @@ from serving.rollout.state import RolloutSpec
 from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 from tests.lora_support import make_adapter
 from tests.serving.fleet_support import engine_thread, free_port, make_keys, uvicorn_thread
-from tests.serving.rollout_support import MODEL, fast_plan, model_aliases, register_versions
+from tests.serving.rollout_support import MODEL, fast_plan, gates_at_test_speed, model_aliases, register_versions
 
 ADAPTER_MODEL = "support-adapter"  # the adapter's own registered model
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
@@ -214,9 +214,14 @@ def test_a_slow_adapter_canary_is_rolled_back_and_the_champion_adapter_keeps_its
 def test_an_adapter_that_learned_something_else_pauses_at_shadow_for_a_person(tmp_path, tiny_model_dir,
                                                                                adapter_dirs):
     """The shadow compares two adapter versions inside the same replica: another adapter's answers disagree far
-    beyond the champion adapter's own noise floor, and the rollout pauses naming the agreement gate."""
+    beyond the champion adapter's own noise floor, and the rollout pauses naming the agreement gate.
+
+    The shadow's p95 ms/token gate is set loose (×4, as configs/smoke.yaml): the replica here is a thread beside the
+    suite's other worker on two cores, and one run read ×2.68 on 118 pairs and rolled back on it (that gate is
+    critical); what this test shows is the agreement gate, and the latency gates have tests of their own."""
+    plan = fast_plan(gates=gates_at_test_speed(max_ms_per_token_p95_ratio=4.0))
     with adapter_fleet(tmp_path, tiny_model_dir, adapter_dirs, ["support", "support-other"]) as f:
-        controller = Controller.create(tmp_path / "rollout", f.spec("support", "support-other", fast_plan()))
+        controller = Controller.create(tmp_path / "rollout", f.spec("support", "support-other", plan))
         state, _ = _run(f, controller, seconds=60)
         assert state.phase == "paused" and "agreement" in state.reason, state.reason
         pairs = f.gateway.store.window(state.started_at, lane="support")["pairs"]
