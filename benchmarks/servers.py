@@ -64,8 +64,12 @@ class Child:
                  cwd: Path | None = None) -> None:
         self.name, self.log = name, log
         self._handle = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     cwd=cwd or REPO, env=env, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(args, stdout=self._handle, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=cwd or REPO, env=env, start_new_session=True)
+        except OSError as exc:  # a peer's python that is not there (--vllm-python, $VLLM_PYTHON): one line
+            self._handle.close()
+            raise BenchError(f"{name}: cannot start {args[0]} ({exc.strerror})") from None
 
     @property
     def pid(self) -> int:
