@@ -206,32 +206,35 @@ def base_bundle(art: Artifacts, work: Path, champion_manifest: dict) -> tuple[Pa
 
 
 HOT_TEMPERATURE = 2.0  # the "sampled" scenario's default temperature (the champion's bundles ship 1.0 or none)
+# the "sampled-mild" scenario's: a loss of a few points of sampled accuracy, a few times the gate's 0.05 tolerance
+# (RESULTS.md, "Sampled probes, draw by draw"), where two independent rates of 160 draws cannot tell it from noise
+MILD_TEMPERATURE = 1.3
 SLICE_LOSS = 0.5  # the "slice" scenario: the share of one harm category's refusals its planted record loses
 
 
-def hot_bundle(art: Artifacts, work: Path) -> Path:
-    """The champion's weights bundled again with a hotter default temperature (top-p, top-k and min-p left out),
-    and the champion's eval record: greedy answers unchanged, sampled ones worse, and nothing offline to see it.
-    The sampled probes, at the server's own defaults, are what should catch it."""
+def hot_bundle(art: Artifacts, work: Path, temperature: float = HOT_TEMPERATURE, name: str = "hot") -> Path:
+    """The champion's weights bundled again with a hotter default ``temperature`` (top-p, top-k and min-p left
+    out), and the champion's eval record: greedy answers unchanged, sampled ones worse, and nothing offline to see
+    it. The sampled probes, at the server's own defaults, are what should catch it."""
     from artifacts.eval_record import read_eval_record, write_eval_record
     from artifacts.manifest import Lineage
     from artifacts.writer import BundleConfig, write_bundle
 
-    out = work / "bundles" / "hot"
+    out = work / "bundles" / name
     if (out / "manifest.json").is_file():
         return out
-    source = work / "bundles" / "hot-source"
+    source = work / "bundles" / f"{name}-source"
     shutil.rmtree(source, ignore_errors=True)
     shutil.copytree(art.champion, source, ignore=shutil.ignore_patterns("manifest.json", "eval_record.json"))
     config_path = source / "generation_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     for key in ("top_p", "top_k", "min_p"):
         config.pop(key, None)
-    config.update(temperature=HOT_TEMPERATURE, do_sample=True)
+    config.update(temperature=temperature, do_sample=True)
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     manifest = json.loads((art.champion / "manifest.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
-    write_bundle(source, out, BundleConfig(name=manifest["name"], version=f"hot-{manifest['version']}"),
+    write_bundle(source, out, BundleConfig(name=manifest["name"], version=f"{name}-{manifest['version']}"),
                  Lineage(base_model=str(art.champion)))
     record = read_eval_record(art.champion)
     write_eval_record(out, metrics=record.metrics, gates=record.gates, passed=record.passed, results=record.results)

@@ -9,14 +9,15 @@ from typing import Any
 
 # the adapter scenarios with trained adapters, on the pipeline's base bundle as champion (calibration_adapters.py)
 TRAINED_ADAPTER_SCENARIOS = ("adapter-trained-aa", "adapter-refusals")
-SCENARIOS = ("aa", "ttft", "ttft25", "itl", "errors", "sampled", "slice", "refusals", "accuracy", "slow",
-             "adapter-aa", "adapter-task", "adapter-ttft25", *TRAINED_ADAPTER_SCENARIOS)
+SCENARIOS = ("aa", "ttft", "ttft25", "itl", "errors", "sampled", "sampled-mild", "slice", "refusals", "accuracy",
+             "slow", "adapter-aa", "adapter-task", "adapter-ttft25", *TRAINED_ADAPTER_SCENARIOS)
 NULL_SCENARIOS = ("aa", "adapter-aa", "adapter-trained-aa")  # A/A: anything but a promotion is a false alarm
 TITLES = {"aa": "A/A (champion vs itself)", "ttft": "TTFT +50% (gateway delay on the canary)",
           "ttft25": "TTFT +25% (gateway delay on the canary)",
           "itl": "ITL +30% only (gateway token-gap floor on the canary; same TTFT)",
           "errors": "5xx +3% (gateway abort on the canary)",
           "sampled": "lost sampled accuracy only (champion's weights, a hotter default temperature)",
+          "sampled-mild": "a few points of sampled accuracy lost (champion's weights, default temperature 1.3)",
           "slice": "one slice only (champion's weights; its record loses half of one slice)",
           "refusals": "lost refusals (drill bundle)",
           "accuracy": "lost task accuracy (base model)", "slow": "slow candidate (HF forward, 1 sequence)",

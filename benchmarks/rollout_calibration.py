@@ -13,7 +13,8 @@ behind the gateway (all on 127.0.0.1), with replayed held-out traffic:
   **errors** (5xx +3%: the gateway's abort drill, 3% of canary requests answered 503 and retried on the
   champion, so users never see them), **sampled** (lost sampled accuracy only: the champion's weights bundled
   again with a hotter default temperature in generation_config.json, so its greedy answers are the champion's and
-  its sampled ones worse),
+  its sampled ones worse), **sampled-mild** (the same at temperature 1.3: a loss of a few points, a few times the
+  gate's tolerance),
   **slice** (a regression in one slice only: the champion's weights with a planted eval record in which one
   slice lost half its good outcomes, a harm category's refusals or else a task slice's answers), **refusals** (the
   drill bundle, `configs/drill-broken-refusals.yaml`, registry alias `drill-candidate`), **accuracy** (the
@@ -65,6 +66,7 @@ if __name__ == "__main__" and not __package__:
 from benchmarks.calibration_adapters import ADAPTER_SCENARIOS, AdapterScenarios  # noqa: E402
 from benchmarks.calibration_adapters import SERVE_FLAGS as ADAPTER_SERVE_FLAGS  # noqa: E402
 from benchmarks.calibration_artifacts import (  # noqa: E402
+    MILD_TEMPERATURE,
     Artifacts,
     CalibrationError,
     Registry,
@@ -178,6 +180,9 @@ class Calibration:
             if scenario == "sampled":
                 bundle = hot_bundle(art, self.work)
                 return reg.register("champion-hot", bundle, bundle / "eval_record.json"), bundle, []
+            if scenario == "sampled-mild":
+                bundle = hot_bundle(art, self.work, MILD_TEMPERATURE, "mild")
+                return reg.register("champion-mild", bundle, bundle / "eval_record.json"), bundle, []
             if scenario == "slice":
                 record = sliced_record(art, self.work)
                 return reg.register("champion-slice", art.champion, record), art.champion, []

@@ -17,6 +17,7 @@ from artifacts.common.stats import quantile
 from serving.rollout import judge
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS, Verdict
 from serving.rollout.offline import offline_gates
+from serving.rollout.paired_rates import pair_draws, paired_rate_gate
 from serving.rollout.plan import Gates, RolloutPlan
 
 
@@ -312,10 +313,7 @@ def probe_verdicts(probes: dict[str, Any] | None, gates: Gates, alpha: float) ->
                                    b["tasks"] - b["formatted"], b["tasks"], margin=gates.max_format_drop, alpha=alpha,
                                    min_samples=need, label="broken format"))
     if _sent(c, "sampled"):  # the same tolerance as greedy accuracy: what users get at the served sampling
-        out.append(judge.rate_gate("probe_sampled_accuracy", c["sampled"] - c["sampled_correct"], c["sampled"],
-                                   b["sampled"] - b["sampled_correct"], b["sampled"], margin=gates.max_accuracy_drop,
-                                   alpha=alpha, min_samples=max(5, min(_sent(c, "sampled"), 10)),
-                                   label="wrong sampled answers"))
+        out.append(_sampled_verdict(c, b, gates, alpha))
     if _sent(c, "structured"):  # JSON and tool calls: valid for their schema, then right
         need_structured = max(5, min(_sent(c, "structured"), 10))
         out.append(judge.rate_gate("probe_structured", c["structured"] - c["structured_valid"], c["structured"],
@@ -337,6 +335,21 @@ def probe_verdicts(probes: dict[str, Any] | None, gates: Gates, alpha: float) ->
                                    alpha=alpha, min_samples=min(5, _sent(c, "lookalike")),
                                    label="benign refused"))
     return [_with_not_applicable(_with_unanswered(v, c, b), c, b) for v in out]
+
+
+def _sampled_verdict(c: dict[str, Any], b: dict[str, Any], gates: Gates, alpha: float) -> Verdict:
+    """The sampled probes' gate: draw by draw (both sides drew with the same seeds, `paired_rates`), or on the
+    two rates where the draws were not kept (a state written before they were)."""
+    need = max(5, min(_sent(c, "sampled"), 10))
+    per_prompt = c.get("samples_per_prompt", 0)
+    draws = (pair_draws(c.get("sampled_draws", []), b.get("sampled_draws", []), per_prompt)
+             if per_prompt == b.get("samples_per_prompt") else None)
+    if draws is not None:
+        return paired_rate_gate("probe_sampled_accuracy", draws, margin=gates.max_accuracy_drop, alpha=alpha,
+                                min_samples=need, label="wrong sampled answers")
+    return judge.rate_gate("probe_sampled_accuracy", c["sampled"] - c["sampled_correct"], c["sampled"],
+                           b["sampled"] - b["sampled_correct"], b["sampled"], margin=gates.max_accuracy_drop,
+                           alpha=alpha, min_samples=need, label="wrong sampled answers")
 
 
 def _sent(score: dict[str, Any], kind: str) -> int:

@@ -8,7 +8,8 @@ sample with the same random numbers, as the gateway's shadow mirror does, so an 
 answers and a changed one differs only where its distribution does. Each side still samples from its own served
 distribution; what the seed removes is the noise of two independent draws, which on 160 draws a side read ±0.055
 against a 0.05 tolerance and made an unchanged model's shadow phase extend one time in five (RESULTS.md, "Rollout
-calibration with latency power").
+calibration with latency power"). Each draw's outcome is kept, so the sampled gate compares the two sides draw by
+draw (`paired_rates`).
 
 Live traffic has no reference answers, so the behaviour gates that need one (task accuracy, refusals of
 harmful prompts, over-refusal of benign look-alikes, the reply format) come from these probes, scored by
@@ -21,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from evals.json_replies import (
 from evals.scoring import is_correct, is_format_adherent, is_refusal
 from serving.fleet.gateway_client import GatewayAdmin
 from serving.fleet.gateway_group import GatewayGroup
+from serving.rollout.paired_rates import UNANSWERED
 from serving.rollout.plan import Probes
 from serving.rollout.state import RolloutError
 
@@ -72,6 +74,10 @@ class ProbeScore:
     formatted: int = 0
     sampled: int = 0  # task prompts answered at the served sampling
     sampled_correct: int = 0
+    # each sampled draw's outcome, by draw number (1 right, 0 wrong, UNANSWERED), and how many draws a prompt has:
+    # champion and candidate answer a draw with one seed, so the sampled gate compares them draw by draw
+    sampled_draws: list[int] = field(default_factory=list)
+    samples_per_prompt: int = 0
     harmful: int = 0
     refused_harmful: int = 0
     lookalike: int = 0
@@ -91,7 +97,7 @@ class ProbeScore:
     # tool listing is ~360 tokens on the embedded tokenizer, its context 256): neither sent nor answered
     structured_not_applicable: int = 0
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -189,7 +195,8 @@ def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[P
         except (ValueError, LookupError, TypeError):  # a 200 that is not a chat completion: a probe error
             return item, None, False
 
-    score = ProbeScore()
+    score = ProbeScore(samples_per_prompt=spec.samples)
+    score.sampled_draws = [UNANSWERED] * sum(item.kind == "sampled" for item in items)
     with ThreadPoolExecutor(spec.concurrency) as pool:
         for item, reply, stopped in pool.map(ask, items):
             if reply is NOT_APPLICABLE:
@@ -210,8 +217,10 @@ def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[P
                 score.correct += is_correct(reply, item.answer)
                 score.formatted += is_format_adherent(reply, stopped)
             elif item.kind == "sampled":
+                right = is_correct(reply, item.answer)
                 score.sampled += 1
-                score.sampled_correct += is_correct(reply, item.answer)
+                score.sampled_correct += right
+                score.sampled_draws[item.draw] = int(right)
             elif item.kind == "harmful":
                 score.harmful += 1
                 score.refused_harmful += is_refusal(reply)

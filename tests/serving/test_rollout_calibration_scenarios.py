@@ -12,7 +12,14 @@ from artifacts.eval_record import read_eval_record, write_eval_record
 from artifacts.manifest import Lineage
 from artifacts.verify import verify_bundle
 from artifacts.writer import BundleConfig, write_bundle
-from benchmarks.calibration_artifacts import HOT_TEMPERATURE, SLICE_LOSS, Artifacts, hot_bundle, sliced_record
+from benchmarks.calibration_artifacts import (
+    HOT_TEMPERATURE,
+    MILD_TEMPERATURE,
+    SLICE_LOSS,
+    Artifacts,
+    hot_bundle,
+    sliced_record,
+)
 from benchmarks.rollout_calibration import load_plan
 from serving.rollout.offline import offline_verdicts
 from serving.rollout.plan import Gates
@@ -46,6 +53,9 @@ def test_the_hot_candidate_is_the_champions_weights_with_a_hotter_default(tmp_pa
     record = read_eval_record(hot)  # the champion's numbers, stamped for the new manifest
     assert record.passed and record.metrics == read_eval_record(art.champion).metrics
     assert hot_bundle(art, tmp_path / "work") == hot  # built once
+    mild = hot_bundle(art, tmp_path / "work", MILD_TEMPERATURE, "mild")  # the mild scenario's: its own bundle
+    assert mild != hot and json.loads((mild / "generation_config.json").read_text())["temperature"] == MILD_TEMPERATURE
+    verify_bundle(mild)
 
 
 def test_the_sliced_record_loses_one_category_which_the_per_slice_gate_sees(tmp_path, tiny_model_dir):

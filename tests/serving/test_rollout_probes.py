@@ -59,6 +59,7 @@ def test_task_probes_are_sent_greedy_then_at_the_served_sampling(tmp_path) -> No
     gateway = RecordingGateway(reply("Answer: 5"))
     score = run_probes(gateway, "canary", items, spec)
     assert (score.tasks, score.correct, score.sampled, score.sampled_correct) == (1, 1, 3, 3)
+    assert (score.sampled_draws, score.samples_per_prompt) == ([1, 1, 1], 3)  # each draw kept, for pairing
     # the greedy probes and the safety ones say temperature 0; the sampled ones leave it to the snapshot
     assert ["temperature" in body for body in gateway.bodies] == [True, False, False, False, True]
     assert all("top_p" not in body for body in gateway.bodies)
