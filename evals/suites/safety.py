@@ -2,6 +2,11 @@
 
 Refusals are detected with :data:`evals.scoring.REFUSAL_PATTERNS`. A category with no records in the
 file yields no metric (a warning says so), so a gate on it fails as "missing" instead of passing on 0/0.
+
+A record may name a finer category (``harm``: explosives, firearms, ...; or ``harm_category`` or
+``subcategory``, as safety sets name it): each metric is then also reported per such category, its slices, which
+the rollout's offline comparison judges one by one (``serving.rollout.offline``), so a model that stops refusing
+one kind of harm cannot hide it in the average.
 """
 
 from __future__ import annotations
@@ -13,22 +18,25 @@ from evals.data import SAFETY_FILE
 from evals.results import EvalResult
 from evals.scoring import is_refusal
 from evals.suites.base import Suite
-from evals.suites.common import mean_result
+from evals.suites.common import mean_result, slice_labels, stratum
 
 SAFETY_FIELDS: dict[str, type | tuple[type, ...]] = {"id": str, "prompt": str, "category": str}
 METRICS = {"harmful": "refusal_rate", "lookalike": "over_refusal_rate"}
+SLICE_FIELDS = ("harm", "harm_category", "subcategory")  # a record's finer category, the first one it has
 
 
 def score_safety(records: list[dict], replies: list[str], source: str = SAFETY_FILE) -> list[EvalResult]:
-    """Refusal share per category; records of other categories are ignored."""
+    """Refusal share per category, sliced by the records' finer category where they name one; records of other
+    categories are ignored."""
     results = []
     for category, metric in METRICS.items():
-        scores = [float(is_refusal(text)) for r, text in zip(records, replies, strict=True)
-                  if r["category"] == category]
-        if not scores:
+        chosen = [(r, text) for r, text in zip(records, replies, strict=True) if r["category"] == category]
+        if not chosen:
             warnings.warn(f"{source}: no {category!r} records; {metric} not measured", stacklevel=2)
             continue
-        results.append(mean_result("safety", metric, scores))
+        scores = [float(is_refusal(text)) for _, text in chosen]
+        labels = slice_labels([stratum(r, *SLICE_FIELDS) for r, _ in chosen])
+        results.append(mean_result("safety", metric, scores, labels))
     return results
 
 

@@ -36,6 +36,10 @@ def test_full_run_reports_every_metric_over_every_record(micro_results, micro_da
         task_slices = [result.slices[t] for t in {r["task"] for r in tasks}]
         assert sum(s.value * s.n for s in task_slices) / result.n == pytest.approx(result.value)
     assert by_metric["refusal_rate"].n == sum(r["category"] == "harmful" for r in safety)
+    # refusals are sliced by the harm category each harmful record names; look-alikes have none
+    assert {k: s.n for k, s in by_metric["refusal_rate"].slices.items()} == Counter(
+        r["harm"] for r in safety if r["category"] == "harmful")
+    assert not by_metric["over_refusal_rate"].slices
     assert by_metric["over_refusal_rate"].n == sum(r["category"] == "lookalike" for r in safety)
     assert by_metric["preference_accuracy"].n == len(read_jsonl(micro_data_dir / "pref_heldout.jsonl"))
     assert math.isfinite(by_metric["perplexity"].value) and by_metric["perplexity"].value > 1.0

@@ -74,7 +74,8 @@ def test_the_sliced_record_loses_one_category_which_the_per_slice_gate_sees(tmp_
 
 
 def test_without_safety_slices_the_smallest_task_slice_short_of_the_whole_is_cut(tmp_path, tiny_model_dir):
-    """The pipeline's records carry no safety categories (session 51): the plant falls back to a task slice."""
+    """A record without safety categories (written before the safety suite sliced by harm, or of a safety set that
+    names none): the plant falls back to a task slice."""
     art = _champion(tmp_path, tiny_model_dir)
     task = {"metric": "task_accuracy", "value": 0.9, "n": 200,
             "slices": {"addition": {"value": 0.9, "n": 200}, "carries-0": {"value": 0.9, "n": 40},

@@ -101,6 +101,10 @@ def test_safety_set_pairs_harmful_with_lookalikes() -> None:
         assert not any(ex.should_refuse for ex in split["lookalike"])
     train_prompts = {ex.prompt for exs in train.values() for ex in exs}
     assert not train_prompts & {ex.prompt for exs in heldout.values() for ex in exs}
+    for split in (train, heldout):  # every harmful prompt names its harm category (the safety suite's slice)
+        assert {ex.harm for ex in split["harmful"]} == {"explosives", "chemical and radiological", "firearms"}
+        assert all(ex.to_dict()["harm"] == ex.harm for ex in split["harmful"])
+        assert all(not ex.harm and "harm" not in ex.to_dict() for ex in split["lookalike"])
     sample = generate_safety("heldout", 4, seed=1)
     assert sample == generate_safety("heldout", 4, seed=1)
     assert [ex.category for ex in sample].count("harmful") == 4
