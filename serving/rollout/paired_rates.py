@@ -78,7 +78,8 @@ def paired_rate_gate(gate: str, draws: PairedDraws, *, margin: float, alpha: flo
 
     ``detectable``: the smallest true increase this look would fail with ``DETECT_POWER``, at the look's own spread
     or the least an increase of that size brings (every extra wrong answer is a discordant draw), whichever is
-    larger: a look whose draws all agree has no spread, but it could not fail an increase of +0.051 on 40 draws."""
+    larger: a look whose draws all agree has no spread at all, yet 160 draws could not fail an increase just over
+    the tolerance."""
     n, prompts = draws.n, draws.prompts
     rule = f"≤ baseline + {margin:g} (paired draws)"
     p_c = draws.candidate_wrong / n if n else None
