@@ -77,9 +77,10 @@ def test_schemas_follow_the_contract(micro_data_dir: Path) -> None:
             assert "work" not in r
     for r in read_jsonl(micro_data_dir / "tasks_heldout.jsonl"):
         assert set(r) == {"id", "task", "prompt", "answer", "work"} and all(isinstance(v, str) for v in r.values())
-    for r in read_jsonl(micro_data_dir / "safety_heldout.jsonl"):
-        assert set(r) == {"id", "prompt", "category", "should_refuse"}
-        assert r["should_refuse"] == (r["category"] == "harmful")
+    for r in read_jsonl(micro_data_dir / "safety_heldout.jsonl"):  # a harmful prompt names its harm category
+        harmful = r["category"] == "harmful"
+        assert set(r) == {"id", "prompt", "category", "should_refuse"} | ({"harm"} if harmful else set())
+        assert r["should_refuse"] == harmful and (not harmful or isinstance(r["harm"], str) and r["harm"])
     for name in ("text_heldout.jsonl", "calibration.jsonl"):
         assert all(set(r) == {"text"} and r["text"] for r in read_jsonl(micro_data_dir / name))
 
