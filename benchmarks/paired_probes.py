@@ -63,7 +63,8 @@ def table(outs: list[Path]) -> list[str]:
                          f"{alone[0]} / {alone[1]} | {paired.outcome} ({paired.p_value:.2g}) | "
                          f"{unpaired.outcome} ({unpaired.p_value:.2g}) |")
     if skipped:
-        lines.append(f"\n{skipped} rollout(s) without kept draws (written before the paired gate) left out")
+        lines.append(f"\n{skipped} rollout(s) without kept draws (written before the paired gate, or not probed "
+                     "yet) left out")
     return lines
 
 

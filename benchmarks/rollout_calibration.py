@@ -181,7 +181,8 @@ class Calibration:
                 bundle = hot_bundle(art, self.work)
                 return reg.register("champion-hot", bundle, bundle / "eval_record.json"), bundle, []
             if scenario == "sampled-mild":
-                bundle = hot_bundle(art, self.work, MILD_TEMPERATURE, "mild")
+                temperature = self.args.mild_temperature
+                bundle = hot_bundle(art, self.work, temperature, f"mild-{temperature:g}")
                 return reg.register("champion-mild", bundle, bundle / "eval_record.json"), bundle, []
             if scenario == "slice":
                 record = sliced_record(art, self.work)
@@ -424,6 +425,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "rollout_calibration")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     ap.add_argument("--kv-memory", default="64MiB", help="KV memory per replica (the pipeline fleet's default)")
+    ap.add_argument("--mild-temperature", type=float, default=MILD_TEMPERATURE,
+                    help="the sampled-mild scenario's default temperature (the champion's is 1.0)")
     args = ap.parse_args(argv)
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in names if s not in SCENARIOS]
@@ -440,6 +443,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "own: run them apart from the others")
     if args.k < 1 or (args.k_regressions is not None and args.k_regressions < 1) or args.threads < 1:
         ap.error("--k, --k-regressions and --threads must be >= 1")
+    if not args.mild_temperature > 0:
+        ap.error(f"--mild-temperature: must be > 0, got {args.mild_temperature:g}")
     return args
 
 

@@ -129,3 +129,14 @@ def test_the_trained_adapter_scenarios_run_apart_from_the_others(capsys):
     assert not set(parse_args(["--workdir", "."]).scenarios) & set(TRAINED_ADAPTER_SCENARIOS)
     assert parse_args(["--scenarios", "adapter-refusals,adapter-trained-aa", "--workdir", "."]).scenarios == [
         "adapter-trained-aa", "adapter-refusals"]
+
+
+def test_the_mild_scenario_takes_its_temperature_from_the_command_line(tmp_path, capsys):
+    from benchmarks.rollout_calibration import parse_args
+
+    args = parse_args(["--workdir", str(tmp_path), "--scenarios", "sampled-mild", "--mild-temperature", "1.15"])
+    assert args.scenarios == ["sampled-mild"] and args.mild_temperature == 1.15
+    assert parse_args(["--workdir", str(tmp_path)]).mild_temperature == MILD_TEMPERATURE
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--workdir", str(tmp_path), "--mild-temperature", "0"])
+    assert exit_info.value.code == 2 and "--mild-temperature: must be > 0" in capsys.readouterr().err
