@@ -17,7 +17,7 @@ TITLES = {"aa": "A/A (champion vs itself)", "ttft": "TTFT +50% (gateway delay on
           "itl": "ITL +30% only (gateway token-gap floor on the canary; same TTFT)",
           "errors": "5xx +3% (gateway abort on the canary)",
           "sampled": "lost sampled accuracy only (champion's weights, a hotter default temperature)",
-          "sampled-mild": "a few points of sampled accuracy lost (champion's weights, default temperature 1.3)",
+          "sampled-mild": "a few points of sampled accuracy lost (champion's weights, a slightly hotter default)",
           "slice": "one slice only (champion's weights; its record loses half of one slice)",
           "refusals": "lost refusals (drill bundle)",
           "accuracy": "lost task accuracy (base model)", "slow": "slow candidate (HF forward, 1 sequence)",

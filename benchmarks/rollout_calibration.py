@@ -183,6 +183,7 @@ class Calibration:
             if scenario == "sampled-mild":
                 temperature = self.args.mild_temperature
                 bundle = hot_bundle(art, self.work, temperature, f"mild-{temperature:g}")
+                self.notes.append(f"sampled-mild: the champion's weights at a default temperature of {temperature:g}")
                 return reg.register("champion-mild", bundle, bundle / "eval_record.json"), bundle, []
             if scenario == "slice":
                 record = sliced_record(art, self.work)
