@@ -1,7 +1,8 @@
 """The sampled probes judged both ways: draw by draw (the gate) and as two independent rates (the gate before).
 
 Reads the rollouts a calibration ran (``benchmarks/rollout_calibration.py --out DIR``) and, for each, the last look's
-sampled probes (the state keeps the latest probes), and judges them twice at the rollout's own level per look:
+sampled probes (the state keeps the latest probes; since the looks pool their sampled draws, those of every look
+judged so far), and judges them twice at the rollout's own level per look:
 
     .venv/bin/python benchmarks/paired_probes.py DIR [DIR ...]
 
@@ -32,7 +33,8 @@ def judged_both_ways(state: RolloutState) -> tuple[judge.Verdict, judge.Verdict]
     c, b = probes.get("candidate"), probes.get("champion")
     if not c or not b or not c.get("sampled_draws"):
         return None
-    draws = pair_draws(c["sampled_draws"], b["sampled_draws"], c.get("samples_per_prompt", 0))
+    draws = pair_draws(c["sampled_draws"], b["sampled_draws"], c.get("samples_per_prompt", 0),
+                       c.get("sampled_prompts", 0))
     if draws is None:
         return None
     plan = state.spec.plan

@@ -342,8 +342,9 @@ def _sampled_verdict(c: dict[str, Any], b: dict[str, Any], gates: Gates, alpha: 
     two rates where the draws were not kept (a state written before they were)."""
     need = max(5, min(_sent(c, "sampled"), 10))
     per_prompt = c.get("samples_per_prompt", 0)
-    draws = (pair_draws(c.get("sampled_draws", []), b.get("sampled_draws", []), per_prompt)
-             if per_prompt == b.get("samples_per_prompt") else None)
+    prompts = c.get("sampled_prompts", 0)
+    draws = (pair_draws(c.get("sampled_draws", []), b.get("sampled_draws", []), per_prompt, prompts)
+             if (per_prompt, prompts) == (b.get("samples_per_prompt"), b.get("sampled_prompts", 0)) else None)
     if draws is not None:
         return paired_rate_gate("probe_sampled_accuracy", draws, margin=gates.max_accuracy_drop, alpha=alpha,
                                 min_samples=need, label="wrong sampled answers")

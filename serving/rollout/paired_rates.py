@@ -38,6 +38,7 @@ class PairedDraws:
     baseline_wrong: int
     candidate_only: int  # discordant draws: the candidate alone wrong
     baseline_only: int  # the champion (or baseline) alone wrong
+    looks: int = 1  # the looks whose draws are pooled here
 
     @property
     def n(self) -> int:
@@ -48,10 +49,14 @@ class PairedDraws:
         return len(self.pairs)
 
 
-def pair_draws(candidate: list[int], baseline: list[int], per_prompt: int) -> PairedDraws | None:
-    """The draws both sides answered, grouped by prompt (draw ``i`` belongs to prompt ``i // per_prompt``); None
+def pair_draws(candidate: list[int], baseline: list[int], per_prompt: int, prompts: int = 0) -> PairedDraws | None:
+    """The draws both sides answered, grouped by prompt: draw ``i`` belongs to prompt ``i // per_prompt``, modulo
+    ``prompts`` when the lists pool several looks' draws of the same ``prompts`` (0: one look, no wrapping). None
     when the two lists cannot be paired (other lengths or no grouping: a state written before draws were kept)."""
     if per_prompt < 1 or not candidate or len(candidate) != len(baseline):
+        return None
+    per_look = per_prompt * prompts
+    if prompts and len(candidate) % per_look:
         return None
     pairs: dict[int, int] = {}
     extra: dict[int, int] = {}
@@ -59,7 +64,7 @@ def pair_draws(candidate: list[int], baseline: list[int], per_prompt: int) -> Pa
     for draw, (c, b) in enumerate(zip(candidate, baseline, strict=True)):
         if c == UNANSWERED or b == UNANSWERED:
             continue
-        prompt = draw // per_prompt
+        prompt = (draw // per_prompt) % prompts if prompts else draw // per_prompt
         pairs[prompt] = pairs.get(prompt, 0) + 1
         c_wrong += 1 - c
         b_wrong += 1 - b
@@ -68,7 +73,7 @@ def pair_draws(candidate: list[int], baseline: list[int], per_prompt: int) -> Pa
         extra[prompt] = extra.get(prompt, 0) + (b - c)
     order = sorted(pairs)
     return PairedDraws(tuple(pairs[p] for p in order), tuple(extra[p] for p in order), c_wrong, b_wrong, c_only,
-                       b_only)
+                       b_only, len(candidate) // per_look if prompts else 1)
 
 
 def paired_rate_gate(gate: str, draws: PairedDraws, *, margin: float, alpha: float, min_samples: int,
@@ -96,7 +101,8 @@ def paired_rate_gate(gate: str, draws: PairedDraws, *, margin: float, alpha: flo
     else:  # every prompt moved by the same share of its draws (in practice: none moved)
         p_value = 0.0 if diff > margin + RATE_EPSILON else 1.0
     detectable = _detectable(se, n, df, margin=margin, alpha=alpha)
-    seen = (f"{n} draws of {prompts} prompts, {draws.candidate_only} wrong on the candidate alone and "
+    looks = f" over {draws.looks} looks" if draws.looks > 1 else ""
+    seen = (f"{n} draws of {prompts} prompts{looks}, {draws.candidate_only} wrong on the candidate alone and "
             f"{draws.baseline_only} on the champion alone")
     could = f"this look would fail +{detectable:.3f} with {DETECT_POWER:.0%} power"
     if p_value < alpha:

@@ -20,7 +20,7 @@ from serving.rollout.analysis import Analysis
 from serving.rollout.judge import FAIL, INCONCLUSIVE, PASS, Verdict
 from serving.rollout.offline import offline_verdicts
 from serving.rollout.plan import RolloutPlan
-from serving.rollout.probes import load_probes, run_probes
+from serving.rollout.probes import load_probes, pool_sampled, run_probes
 from serving.rollout.registry_console import RegistryConsole
 from serving.rollout.state import BASELINE, CANARY, SHADOW, RolloutState
 
@@ -110,6 +110,8 @@ class PhaseJudge:
             else:
                 candidate = run_probes(self.gateway, candidate_variant, items, self.plan.probes, salt).to_json()
             scores = {"champion": champion, "candidate": candidate}
+            if state.probes:  # an earlier look's probes, not yet passed: its sampled draws count here too
+                scores = {side: pool_sampled(state.probes[side], score) for side, score in scores.items()}
             state.probes = scores
             verdicts += A.probe_verdicts(scores, self.plan.gates, self.alpha)
         record = self.console.eval_record(spec.candidate_version)

@@ -78,6 +78,10 @@ class ProbeScore:
     # champion and candidate answer a draw with one seed, so the sampled gate compares them draw by draw
     sampled_draws: list[int] = field(default_factory=list)
     samples_per_prompt: int = 0
+    # task prompts drawn from per look, and the looks whose draws ``sampled_draws`` holds (``pool_sampled``):
+    # draw ``i`` is a draw of prompt ``(i // samples_per_prompt) % sampled_prompts``
+    sampled_prompts: int = 0
+    sampled_looks: int = 1
     harmful: int = 0
     refused_harmful: int = 0
     lookalike: int = 0
@@ -99,6 +103,27 @@ class ProbeScore:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def pool_sampled(earlier: dict[str, Any], latest: dict[str, Any]) -> dict[str, Any]:
+    """``latest`` (a ``ProbeScore.to_json``) with the sampled draws of ``earlier`` looks put before its own.
+
+    The sampled probes draw afresh at every look, so a look judged on its own draws gives a candidate just past the
+    tolerance a fresh chance to read within it at every look (2 of 10 at +0.074 against 0.05 were promoted that
+    way: RESULTS.md, "Sampled probes, draw by draw"). Pooled, every look adds evidence instead of a new sample,
+    and the prompts stay the clusters. The greedy probes are not pooled: at temperature 0 a look repeats the last
+    one's answers, which would be the same evidence counted twice. ``latest`` is returned as it is when the two
+    were drawn differently (other prompts or draws per prompt), or ``earlier`` kept no draws."""
+    same_draws = (earlier.get("samples_per_prompt") == latest.get("samples_per_prompt")
+                  and earlier.get("sampled_prompts") == latest.get("sampled_prompts"))
+    if not same_draws or not earlier.get("sampled_draws") or not latest.get("sampled_prompts"):
+        return latest
+    pooled = dict(latest)
+    pooled["sampled_draws"] = list(earlier["sampled_draws"]) + list(latest["sampled_draws"])
+    pooled["sampled_looks"] = earlier.get("sampled_looks", 1) + latest.get("sampled_looks", 1)
+    for counter in ("sampled", "sampled_correct", "sampled_errors"):
+        pooled[counter] = earlier.get(counter, 0) + latest.get(counter, 0)
+    return pooled
 
 
 def load_probes(spec: Probes) -> list[ProbeItem]:
@@ -195,8 +220,9 @@ def run_probes(gateway: GatewayAdmin | GatewayGroup, variant: str, items: list[P
         except (ValueError, LookupError, TypeError):  # a 200 that is not a chat completion: a probe error
             return item, None, False
 
-    score = ProbeScore(samples_per_prompt=spec.samples)
-    score.sampled_draws = [UNANSWERED] * sum(item.kind == "sampled" for item in items)
+    sampled = sum(item.kind == "sampled" for item in items)
+    score = ProbeScore(samples_per_prompt=spec.samples, sampled_prompts=sampled // spec.samples if spec.samples else 0)
+    score.sampled_draws = [UNANSWERED] * sampled
     with ThreadPoolExecutor(spec.concurrency) as pool:
         for item, reply, stopped in pool.map(ask, items):
             if reply is NOT_APPLICABLE:

@@ -13,7 +13,7 @@ from serving.rollout import judge
 from serving.rollout.analysis import probe_verdicts
 from serving.rollout.paired_rates import UNANSWERED, pair_draws, paired_rate_gate
 from serving.rollout.plan import Gates
-from serving.rollout.probes import ProbeScore
+from serving.rollout.probes import ProbeScore, pool_sampled
 
 ALPHA = 0.05 / 6  # the default plan's level per look
 PER_PROMPT = 4  # the default plan's draws per task prompt
@@ -145,3 +145,82 @@ def test_at_the_tolerance_the_gate_fails_no_more_than_alpha_and_a_real_loss_far_
     unpaired = [_unpaired(c, b).outcome for c, b in lost]
     assert paired.count("fail") / 200 >= 0.9 and "pass" not in paired
     assert unpaired.count("fail") / 200 < 0.25
+
+
+def _score(draws: list[int], looks: int = 1, prompts: int = 40) -> dict:
+    answered = [d for d in draws if d != UNANSWERED]
+    return ProbeScore(tasks=prompts, correct=prompts, formatted=prompts, sampled=len(answered),
+                      sampled_correct=sum(answered), sampled_errors=len(draws) - len(answered),
+                      sampled_draws=draws, samples_per_prompt=PER_PROMPT, sampled_prompts=prompts,
+                      sampled_looks=looks).to_json()
+
+
+def test_a_looks_sampled_draws_pool_with_the_earlier_looks_and_keep_their_prompts() -> None:
+    first, second = _champion(seed=1), _champion(seed=2)
+    second[5] = UNANSWERED
+    pooled = pool_sampled(_score(first), _score(second))
+    assert pooled["sampled_draws"] == first + second and pooled["sampled_looks"] == 2
+    assert pooled["sampled"] == 319 and pooled["sampled_errors"] == 1
+    assert pooled["sampled_correct"] == (first + second).count(1)
+    assert pooled["correct"] == 40  # the greedy probes repeat the last look's answers: not pooled
+    third = pool_sampled(pooled, _score(_champion(seed=3)))
+    assert third["sampled_looks"] == 3 and len(third["sampled_draws"]) == 480
+    # a draw belongs to its prompt at every look: 40 prompts of 12 paired draws, not 120 prompts of 4
+    draws = pair_draws(third["sampled_draws"], third["sampled_draws"], PER_PROMPT, 40)
+    assert draws.prompts == 40 and set(draws.pairs) == {11, 12} and draws.looks == 3
+    # drawn otherwise (another probe set, or draws per prompt), the earlier draws are not pooled
+    other = _score(_champion(seed=4, prompts=30), prompts=30)
+    assert pool_sampled(pooled, other) is other
+
+
+def test_the_pooled_gate_says_how_many_looks_it_judged() -> None:
+    champion = [_champion(seed=s) for s in (1, 2)]
+    candidate = [list(c) for c in champion]
+    scores = {side: pool_sampled(_score(draws[0]), _score(draws[1]))
+              for side, draws in (("champion", champion), ("candidate", candidate))}
+    verdict = {v.gate: v for v in probe_verdicts(scores, Gates(), ALPHA)}["probe_sampled_accuracy"]
+    assert verdict.outcome == "pass" and verdict.samples == 320
+    assert "320 draws of 40 prompts over 2 looks" in verdict.reason
+
+
+def _rollout_of_looks(increase: float, looks: int, pooled: bool, rng: random.Random) -> str:
+    """One rollout's sampled gate over ``looks`` looks (the default plan's shadow phase: a look, one extension):
+    the prompts' chances fixed, fresh coupled draws at every look, judged on that look's draws alone or on all so
+    far. The first pass or fail decides; inconclusive at the last look pauses."""
+    chances = [rng.uniform(0.1, 0.9) for _ in range(40)]
+    candidate: list[int] = []
+    champion: list[int] = []
+    for _look in range(looks):
+        c, b = [], []
+        for right in chances:
+            for _draw in range(PER_PROMPT):
+                u = rng.random()
+                b.append(int(u < right))
+                c.append(int(u < right - increase))
+        candidate, champion = (candidate + c, champion + b) if pooled else (c, b)
+        draws = pair_draws(candidate, champion, PER_PROMPT, 40)
+        outcome = paired_rate_gate("probe_sampled_accuracy", draws, margin=MARGIN, alpha=ALPHA, min_samples=10,
+                                   label="wrong sampled answers").outcome
+        if outcome != "inconclusive":
+            return outcome
+    return "paused"
+
+
+def test_pooled_looks_take_away_the_second_chance_a_mild_loss_got_from_fresh_draws() -> None:
+    """By simulation over the default plan's two shadow looks: judged look by look, a loss of +0.10 (twice the
+    tolerance) is rolled back about half the time and +0.074 is promoted about one time in four (fresh draws at the
+    second look read it within the tolerance); pooled, +0.10 is rolled back about three times in four, +0.074 is
+    promoted less often, and a change within the tolerance still passes every time. At the tolerance itself the
+    pooled gate fails no more often than its two looks' alpha."""
+    def outcomes(increase: float, pooled: bool, trials: int = 400) -> dict[str, int]:
+        rng = random.Random(17)
+        seen = [_rollout_of_looks(increase, 2, pooled, rng) for _ in range(trials)]
+        return {k: seen.count(k) for k in ("pass", "fail", "paused")}
+
+    fresh, pooled = outcomes(0.10, False), outcomes(0.10, True)
+    assert fresh["fail"] < 0.6 * 400 and pooled["fail"] > 0.7 * 400, (fresh, pooled)
+    mild_fresh, mild_pooled = outcomes(0.074, False), outcomes(0.074, True)
+    assert mild_pooled["pass"] < 0.75 * mild_fresh["pass"], (mild_fresh, mild_pooled)
+    assert mild_pooled["fail"] > 1.5 * mild_fresh["fail"], (mild_fresh, mild_pooled)
+    assert outcomes(0.02, True)["pass"] == 400
+    assert outcomes(MARGIN, True)["fail"] <= (2 * ALPHA + 0.01) * 400

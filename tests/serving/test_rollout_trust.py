@@ -226,6 +226,36 @@ def test_probes_roll_back_a_candidate_that_lost_only_its_sampled_answers(tmp_pat
     assert sampled["candidate"] <= sampled["champion"] - 0.3, sampled
 
 
+def test_a_look_judges_the_sampled_draws_of_the_looks_before_it_that_did_not_settle(tmp_path, taught):
+    """The behaviour gates are judged at every look until they pass. A look that did not settle them (here the
+    candidate has no eval record) leaves its sampled draws to the next, which judges them with its own, prompt by
+    prompt: a look adds evidence rather than a fresh chance to read within the tolerance. The greedy probes,
+    which would repeat their answers, are not pooled."""
+    model, data = taught
+    registry = register_versions(tmp_path, {"a": model, "a2": model}, unevaluated=frozenset({"a2"}))
+    plan = _probe_plan(data)
+    plan.baseline_seconds = 0  # straight to shadow: the phase whose looks this judges
+    with fleet(tmp_path, model, model) as f:
+        controller = Controller.create(tmp_path / "rollout", spec_for(f, registry, "a", "a2", plan))
+        state = controller.state
+        assert state.phase == "shadow"
+        looks = []
+        for _ in range(2):
+            analysis = controller.judge.analyse(state)
+            state.analyses.append(analysis.to_json())
+            looks.append({v.gate: v for v in analysis.verdicts})
+    per_look = len(SUMS) * Probes().samples
+    assert looks[0]["eval_record"].outcome == "inconclusive"  # nothing settled: the next look probes again
+    first, second = looks[0]["probe_sampled_accuracy"], looks[1]["probe_sampled_accuracy"]
+    assert first.outcome == second.outcome == "pass", (first.reason, second.reason)
+    assert first.samples == per_look and "over" not in first.reason
+    assert second.samples == 2 * per_look and f"of {len(SUMS)} prompts over 2 looks" in second.reason
+    for side in ("champion", "candidate"):
+        assert state.probes[side]["sampled_looks"] == 2 and len(state.probes[side]["sampled_draws"]) == 2 * per_look
+        assert state.probes[side]["tasks"] == len(SUMS)  # greedy: the last look's answers only
+    assert looks[1]["probe_accuracy"].samples == len(SUMS)
+
+
 def test_probes_in_a_canary_step_load_the_baseline_as_much_as_the_candidate(tmp_path, taught):
     """Started at canary, the probes run in the first step: the baseline answers the same probes at the same
     time as the candidate, so their latencies are compared under the same extra load."""
