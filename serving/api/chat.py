@@ -22,9 +22,9 @@ from serving.api.tool_calls import (
     parse_calls,
     plan_tools,
     template_messages,
-    template_takes_tools,
 )
-from serving.api.tool_grammar import MISTRAL, call_format, call_grammar
+from serving.api.tool_formats import call_format, template_takes_tools
+from serving.api.tool_grammar import call_grammar
 from serving.engine import RequestOutput
 
 
@@ -33,8 +33,8 @@ class ChatServing(OpenAIServing):
         req: ChatCompletionRequest = await self.read(request, ChatCompletionRequest)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         fmt = call_format(self.tok) if plan is not None else None
-        if fmt == MISTRAL:
-            plan = replace(plan, short_ids=True)
+        if plan is not None:
+            plan = replace(plan, fmt=fmt)
         ids = self._prompt(req, plan)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs:

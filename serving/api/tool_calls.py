@@ -3,10 +3,8 @@ client reads back.
 
 Two ways a model calls a tool:
 
-- **its chat template's own format**, where the template takes ``tools`` (Llama 3.1 writes
-  ``{"name": ..., "parameters": {...}}``, Qwen2.5 wraps ``{"name": ..., "arguments": {...}}`` in
-  ``<tool_call>`` tags, Mistral writes its ``[TOOL_CALLS]`` token and an array): the tools go to the template and
-  the reply is parsed in that format;
+- **its chat template's own format**, where the template takes ``tools`` (the formats, and how one is told from
+  another, are in ``tool_formats.py``): the tools go to the template and the reply is read in that format;
 - **the fallback** for templates without tools (ours among them): a system message lists the tools, a signature
   line each (``tool_listing.py``), and asks for a JSON array of calls, ``[{"name": ..., "arguments": {...}}]``.
 
@@ -24,16 +22,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.api import tool_listing
+from serving.api import tool_listing, tool_xml
 from serving.api.errors import APIError
+from serving.api.tool_formats import ARRAY_MARKERS, FALLBACK, MISTRAL, QWEN_XML
 
 FALLBACK_INSTRUCTIONS = ("You can call these functions. To call one or more, reply with only a JSON array of calls, "
                          'like [{"name": "a_function", "arguments": {"a": 1}}].\nFunctions:\n')
 # under `required` or a named choice the grammar writes the array, so the prompt need not teach its shape: a header
 # of a few words instead of the ~150 tokens the instructions cost a byte-level tokenizer (a small context's room)
 CONSTRAINED_HEADER = "Reply with a call to one of these functions:\n"
+# what a reply of calls may open with, besides JSON's [ and {: the tags and markers of the formats that have them
+_CALL_OPENINGS = ("<tool_call>", "<function=", *ARRAY_MARKERS.values())
 _TAGGED_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
-MISTRAL_CALLS = "[TOOL_CALLS]"  # the control token Mistral's templates open a reply of calls with
 
 
 @dataclass(frozen=True)
@@ -44,13 +44,21 @@ class ToolPlan:
     choice: str
     name: str | None = None  # the function a named choice forces
     parallel: bool = True
-    # Mistral's templates refuse a call id that is not 9 letters and digits (``raise_exception``), so a client
-    # sending the calls back would get a 400: its calls get ids of that shape
-    short_ids: bool = False
+    fmt: str = FALLBACK  # the format the model is shown (``tool_formats.call_format``)
 
     @property
     def names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tools}
+
+    @property
+    def by_name(self) -> dict[str, dict]:
+        return {t["function"]["name"]: t for t in self.tools}
+
+    @property
+    def short_ids(self) -> bool:
+        """Mistral's templates refuse a call id that is not 9 letters and digits (``raise_exception``), so a client
+        sending the calls back would get a 400: its calls get ids of that shape."""
+        return self.fmt == MISTRAL
 
     @property
     def constrained(self) -> bool:
@@ -71,11 +79,6 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None)
         raise APIError(400, f"tool_choice.function.name: no tool named {name!r} in tools",
                        param="tool_choice.function.name")
     return ToolPlan(specs, "named", name, parallel=False)
-
-
-def template_takes_tools(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tools" in template
 
 
 def fallback_messages(messages: list[dict], plan: ToolPlan) -> list[dict]:
@@ -124,12 +127,18 @@ def new_call_id(short: bool = False) -> str:
 def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:
     """The OpenAI ``tool_calls`` a reply makes, or None when it is a plain answer (or ``tool_choice`` is none).
 
-    Read in every format we know: the fallback's array (Mistral's too, after its ``[TOOL_CALLS]`` token), one
-    call object (Llama 3.1 names the arguments ``parameters``), or ``<tool_call>`` blocks (Qwen2.5). A call to a
-    function the request did not send is text."""
+    Read in every format we know: the fallback's array (Mistral's and Granite's too, after their marker), one
+    call object (Llama 3.1 names the arguments ``parameters``), ``<tool_call>`` blocks of JSON (Qwen2.5, Qwen3)
+    or of ``<function=...>`` elements (Qwen3-Coder, ``tool_xml``). A call to a function the request did not send is
+    text."""
     if plan.choice == "none":
         return None
-    stripped = text.strip().removeprefix(MISTRAL_CALLS).strip()  # there when special tokens are kept
+    stripped = text.strip()
+    for marker in ARRAY_MARKERS.values():  # there when special tokens are kept
+        stripped = stripped.removeprefix(marker).strip()
+    if "<function=" in stripped:
+        xml = tool_xml.read_calls(stripped, plan.by_name)
+        return [_call(name, arguments, plan) for name, arguments in xml] if xml else None
     found: list[Any] = []
     tagged = _TAGGED_CALL.findall(stripped)
     try:
@@ -142,11 +151,13 @@ def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:
     for call in found:
         if not isinstance(call, dict) or call.get("name") not in plan.names:
             return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append({"id": new_call_id(plan.short_ids), "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}})
+        calls.append(_call(call["name"], call.get("arguments", call.get("parameters", {})), plan))
     return calls or None
+
+
+def _call(name: str, arguments: Any, plan: ToolPlan) -> dict:
+    return {"id": new_call_id(plan.short_ids), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}}
 
 
 @dataclass
@@ -212,17 +223,18 @@ class CallStream:
 @dataclass
 class StreamedChoice:
     """One streamed choice of a request with tools: each text delta becomes the chunk's ``content`` and/or
-    ``tool_calls`` deltas. A constrained reply is all calls (read by ``CallStream`` as it comes). Under ``auto``
-    a reply that starts like a call (``[``, ``{``, ``<tool_call>``) is held until it ends, then sent as calls if
-    it is one, as text if not; any other reply streams as text from its first token."""
+    ``tool_calls`` deltas. A constrained reply is all calls (read by ``CallStream``, or ``XmlCallStream``, as it
+    comes). Under ``auto`` a reply that starts like a call (``[``, ``{``, a format's tag or marker) is held until it
+    ends, then sent as calls if it is one, as text if not; any other reply streams as text from its first token."""
 
     plan: ToolPlan
-    calls: CallStream = field(init=False)
+    calls: CallStream | tool_xml.XmlCallStream = field(init=False)
     held: str = ""
     streaming_text: bool = False
 
     def __post_init__(self) -> None:
-        self.calls = CallStream(short_ids=self.plan.short_ids)
+        self.calls = (tool_xml.XmlCallStream(self.plan.by_name, self.plan.short_ids) if self.plan.fmt == QWEN_XML
+                      else CallStream(short_ids=self.plan.short_ids))
 
     def feed(self, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
         """(content, tool_calls deltas, finish_reason) for the next delta; ``finish_reason`` on the last one."""
@@ -234,7 +246,8 @@ class StreamedChoice:
             return text, [], reason
         self.held += text
         head = self.held.lstrip()
-        maybe_call = head[:1] in ("[", "{") or "<tool_call>".startswith(head[:11])  # the tag, or a prefix of it
+        maybe_call = head[:1] in ("[", "{") or any(opening.startswith(head[:len(opening)])  # it, or a prefix
+                                                   for opening in _CALL_OPENINGS)
         if finish_reason is None and (not head or maybe_call):
             return "", [], None
         calls = parse_calls(self.held, self.plan) if finish_reason is not None and maybe_call else None

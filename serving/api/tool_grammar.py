@@ -1,19 +1,17 @@
 """What a constrained tool choice (``required``, a named function) holds the reply to: the calls in the format
-the model was shown, so that the grammar and the prompt tell the model the same thing.
+the model was shown (``tool_formats``), so that the grammar and the prompt tell the model the same thing.
 
-- **fallback** (a template without tools, ours among them): the JSON array the system message asks for,
-  ``[{"name": ..., "arguments": {...}}]``;
-- **llama** (Llama 3.1-3.3 templates: "respond with a JSON for a function call ... ``{"name": function name,
-  "parameters": ...}``"): one ``{"name": ..., "parameters": {...}}`` object, as those templates take one call a turn;
-- **hermes** (Qwen2.5, Hermes and the templates that copied them): each call a ``{"name": ..., "arguments": ...}``
-  object inside ``<tool_call>`` tags, a line apart; a Lark grammar with the object as ``%json``;
-- **mistral** (Mistral's v3+ templates, Mistral-Nemo, Mistral-Small): the control token ``[TOOL_CALLS]`` then a
-  JSON array of ``{"name": ..., "arguments": {...}}``. The grammar names the token by id (``<[id]>``), so the model
-  writes the one token its template taught it, never the twelve characters spelled out; a reply decoded without
-  special tokens is then the fallback's array, which ``parse_calls`` reads.
+- **fallback**: the JSON array the system message asks for, ``[{"name": ..., "arguments": {...}}]``;
+- **llama**: one ``{"name": ..., "parameters": {...}}`` object, as those templates take one call a turn;
+- **hermes**: each call a ``{"name": ..., "arguments": ...}`` object inside ``<tool_call>`` tags, a line apart; a
+  Lark grammar with the object as ``%json``;
+- **mistral** and **granite**: the marker, then the fallback's array. The grammar names the marker by id
+  (``<[id]>``) where the vocabulary has it as one token, so the model writes the one token its template taught
+  it, never the characters spelled out; a reply decoded without special tokens is then the fallback's array,
+  which ``parse_calls`` reads;
+- **qwen-xml**: ``<function=...>`` elements in ``<tool_call>`` tags (``tool_xml.call_grammar``).
 
-A template that takes tools in a format we do not know gets the fallback's array, which ``parse_calls`` reads.
-Every format is written compactly in schema order, which is what ``CallStream`` reads as it streams.
+Every JSON format is written compactly in schema order, which is what ``CallStream`` reads as it streams.
 """
 
 from __future__ import annotations
@@ -21,32 +19,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serving.api.tool_calls import MISTRAL_CALLS, ToolPlan, template_takes_tools
+from serving.api import tool_xml
+from serving.api.tool_calls import ToolPlan
+from serving.api.tool_formats import ARRAY_MARKERS, HERMES, LLAMA, QWEN_XML
 from serving.engine.structured_output import StructuredOutput
 
-FALLBACK, LLAMA, HERMES, MISTRAL = "fallback", "llama", "hermes", "mistral"
 MAX_PARALLEL_CALLS = 8
-
-
-def call_format(tokenizer: Any) -> str:
-    """The tool-call format ``tokenizer``'s chat template shows the model (read from the template's text)."""
-    if not template_takes_tools(tokenizer):
-        return FALLBACK
-    template = tokenizer.chat_template
-    if "<tool_call>" in template:
-        return HERMES
-    if MISTRAL_CALLS in template:
-        return MISTRAL
-    if '"parameters"' in template:
-        return LLAMA
-    return FALLBACK
 
 
 def call_grammar(plan: ToolPlan, fmt: str, tokenizer: Any = None) -> StructuredOutput:
     """The grammar of a reply that is only calls to the plan's tools (the named one, if it names one)."""
-    if fmt == MISTRAL:
+    if fmt in ARRAY_MARKERS:
         calls = json.dumps({**call_schema(plan), "x-guidance": {"whitespace_flexible": False}}, separators=(",", ":"))
-        return StructuredOutput.lark(f"start: {_mistral_opening(tokenizer)} body\nbody: %json {calls}", where="tools")
+        opening = _marker(tokenizer, ARRAY_MARKERS[fmt])
+        return StructuredOutput.lark(f"start: {opening} body\nbody: %json {calls}", where="tools")
+    if fmt == QWEN_XML:
+        tools = [t for t in plan.tools if plan.name is None or t["function"]["name"] == plan.name]
+        return StructuredOutput.lark(tool_xml.call_grammar(tools, plan.parallel, MAX_PARALLEL_CALLS), where="tools")
     if fmt == LLAMA:
         return StructuredOutput.json_schema(_one_of(_call_objects(plan, "parameters")), where="tools")
     if fmt == HERMES:
@@ -60,11 +49,11 @@ def call_grammar(plan: ToolPlan, fmt: str, tokenizer: Any = None) -> StructuredO
     return StructuredOutput.json_schema(call_schema(plan), where="tools")
 
 
-def _mistral_opening(tokenizer: Any) -> str:
-    """``[TOOL_CALLS]`` in the grammar: the control token by id where the vocabulary has it as one token, else
-    the text (a template that spells it out in a vocabulary without it)."""
-    ids = tokenizer.encode(MISTRAL_CALLS, add_special_tokens=False) if tokenizer is not None else []
-    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(MISTRAL_CALLS)
+def _marker(tokenizer: Any, marker: str) -> str:
+    """A format's marker (``[TOOL_CALLS]``, ``<|tool_call|>``) in the grammar: the token by id where the vocabulary
+    has it as one token, else the text (a template that spells it out in a vocabulary without it)."""
+    ids = tokenizer.encode(marker, add_special_tokens=False) if tokenizer is not None else []
+    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(marker)
 
 
 def call_schema(plan: ToolPlan) -> dict:

@@ -11,7 +11,8 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from serving.api.tool_calls import ToolPlan, parse_calls
-from serving.api.tool_grammar import FALLBACK, HERMES, LLAMA, MISTRAL, call_format, call_grammar
+from serving.api.tool_formats import FALLBACK, GRANITE, HERMES, LLAMA, MISTRAL, QWEN_XML, call_format
+from serving.api.tool_grammar import call_grammar
 from serving.engine import EngineConfig
 from tests.serving.conftest import CHAT_TEMPLATE
 from tests.serving.test_tool_calls import SCHEMAS, TOOLS
@@ -42,8 +43,29 @@ MISTRAL_TEMPLATE = (
     + '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, "id": "{{ c.id }}"}'
     "{% if not loop.last %}, {% endif %}{% endfor %}]</s>{% elif m.role == 'user' %}[INST]{{ m.content }}[/INST]"
     "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
-TEMPLATES = {HERMES: HERMES_TEMPLATE, LLAMA: LLAMA_TEMPLATE, MISTRAL: MISTRAL_TEMPLATE}
-OPENING = {HERMES: "<tool_call>\n{", LLAMA: '{"name":', MISTRAL: '[TOOL_CALLS][{"name":'}
+# Granite 3.x in brief: the tools as an `available_tools` turn, earlier calls as <|tool_call|> and a JSON array
+_GRANITE_TURNS = ("{% for m in messages %}<|start_of_role|>{{ m['role'] }}<|end_of_role|>{% if m.tool_calls %}"
+                  '<|tool_call|>[{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", "arguments": '
+                  "{{ c.function.arguments | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]"
+                  "{% else %}{{ m['content'] }}{% endif %}<|end_of_text|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}")
+GRANITE_TEMPLATE = ("{% if tools %}<|start_of_role|>available_tools<|end_of_role|>{{ tools | tojson }}"
+                    "<|end_of_text|>\n{% endif %}" + _GRANITE_TURNS)
+# Qwen3-Coder in brief: the format spelled out in the system turn, and earlier calls written back in it (strings
+# raw, other values as JSON); its <tool_call> tags are why it must be told from Hermes by <function= first
+_XML_CALL = ("<tool_call>\n<function={{ c.function.name }}>\n{% for k, v in c.function.arguments.items() %}"
+             "<parameter={{ k }}>\n{% if v is string %}{{ v }}{% else %}{{ v | tojson }}{% endif %}\n</parameter>\n"
+             "{% endfor %}</function>\n</tool_call>")
+QWEN_XML_TEMPLATE = ("{% if tools %}<|system|>\nYou have these functions: {% for t in tools %}{{ t.function | tojson }}"
+                     "{% endfor %}\nTo call one, reply in this format:\n<tool_call>\n<function=example_function_name>"
+                     "\n<parameter=example_parameter>\nvalue\n</parameter>\n</function>\n</tool_call><|end|>\n"
+                     "{% endif %}" + _TURNS.replace("CALL", _XML_CALL))
+TEMPLATES = {HERMES: HERMES_TEMPLATE, LLAMA: LLAMA_TEMPLATE, MISTRAL: MISTRAL_TEMPLATE, GRANITE: GRANITE_TEMPLATE,
+             QWEN_XML: QWEN_XML_TEMPLATE}
+OPENING = {HERMES: "<tool_call>\n{", LLAMA: '{"name":', MISTRAL: '[TOOL_CALLS][{"name":',
+           GRANITE: '<|tool_call|>[{"name":', QWEN_XML: "<tool_call>\n<function="}
+SPECIALS = {MISTRAL: ("[TOOL_CALLS]",), GRANITE: ("<|tool_call|>",)}
+ARGUMENTS_KEY = {LLAMA: '"parameters":', QWEN_XML: "<parameter="}
 
 
 class _Template:
@@ -55,6 +77,8 @@ def test_the_format_is_read_from_the_template():
     assert call_format(_Template(HERMES_TEMPLATE)) == HERMES
     assert call_format(_Template(LLAMA_TEMPLATE)) == LLAMA
     assert call_format(_Template(MISTRAL_TEMPLATE)) == MISTRAL
+    assert call_format(_Template(GRANITE_TEMPLATE)) == GRANITE
+    assert call_format(_Template(QWEN_XML_TEMPLATE)) == QWEN_XML  # it has <tool_call> too: not Hermes
     assert call_format(_Template(CHAT_TEMPLATE)) == FALLBACK  # takes no tools
     assert call_format(_Template(None)) == FALLBACK
     unknown = "{% for t in tools %}<function_call>{% endfor %}"  # a format we do not know
@@ -83,14 +107,15 @@ def test_a_mistral_grammar_opens_with_the_control_token_by_id_where_the_vocabula
     assert json.loads(spelled.schema.split("%json ", 1)[1])["type"] == "array"
 
 
-@pytest.fixture(scope="module", params=[HERMES, LLAMA, MISTRAL])
+@pytest.fixture(scope="module", params=[HERMES, LLAMA, MISTRAL, GRANITE, QWEN_XML])
 def native_server(request, tmp_path_factory):
-    """The 2k-context tiny Llama with a Hermes, a Llama 3.1 or a Mistral template (and, for Mistral, its
-    ``[TOOL_CALLS]`` control token in the vocabulary), served on our engine in this process."""
+    """The 2k-context tiny Llama with a Hermes, a Llama 3.1, a Mistral, a Granite or a Qwen3-Coder template (and,
+    for Mistral and Granite, their marker as a special token in the vocabulary), served on our engine in this
+    process."""
     from tests.serving.conftest import build_tiny_model
     from tests.serving.test_api_server import running_server
 
-    specials = ("[TOOL_CALLS]",) if request.param == MISTRAL else ()
+    specials = SPECIALS.get(request.param, ())
     model = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), max_pos=2048, specials=specials)
     (model / "chat_template.jinja").write_text(TEMPLATES[request.param])
     with running_server(model, EngineConfig(max_num_seqs=8)) as (base, engine):
@@ -111,7 +136,7 @@ def test_a_constrained_call_is_written_in_the_templates_format_and_validates(nat
         choice = answer["choices"][0]
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
         calls = choice["message"]["tool_calls"]
-        assert len(calls) == 1 or (fmt in (HERMES, MISTRAL) and tool_choice == "required")
+        assert len(calls) == 1 or (fmt not in (LLAMA, FALLBACK) and tool_choice == "required")
         for call in calls:
             Draft202012Validator(SCHEMAS[call["function"]["name"]]).validate(json.loads(call["function"]["arguments"]))
             if isinstance(tool_choice, dict):
@@ -128,8 +153,8 @@ def test_a_constrained_call_is_written_in_the_templates_format_and_validates(nat
                         streamed += c.get("delta", {}).get("tool_calls") or []
         text = engine.tokenizer.decode(ids)
         assert text.startswith(OPENING[fmt]), text
-        assert ('"parameters":' if fmt == LLAMA else '"arguments":') in text
-        parsed = parse_calls(text, ToolPlan(tuple(TOOLS), "required"))
+        assert ARGUMENTS_KEY.get(fmt, '"arguments":') in text
+        parsed = parse_calls(text, ToolPlan(tuple(TOOLS), "required", fmt=fmt))
         assert [c["function"] for c in parsed] == [c["function"] for c in calls]  # the same seed, the same calls
         names = [d["function"]["name"] for d in streamed if d.get("id")]
         arguments = {}
@@ -179,3 +204,94 @@ def test_mistral_calls_carry_the_ids_its_template_takes_back(native_server):
     assert next_turn([c["id"] for c in calls]).status_code == 200
     refused = next_turn(["call_" + "0" * 24 for _ in calls])
     assert refused.status_code == 400 and "length 9" in refused.json()["error"]["message"]
+
+
+XML_REPLY = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan\nJosé\n</parameter>\n<parameter=days>\n2\n"
+             "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nutc\n"
+             "</parameter>\n</function>\n</tool_call>")
+
+
+def test_xml_calls_are_read_by_their_schemas_strings_raw_other_values_as_json():
+    plan = ToolPlan(tuple(TOOLS), "auto", fmt=QWEN_XML)
+    calls = parse_calls(XML_REPLY, plan)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "San\nJosé", "days": 2}), ("get_time", {"zone": "utc"})]
+    flag = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "on": {"type": "boolean"}, "code": {"type": "string"}}}}}
+    # a template that wrote a Python bool; a string that looks like a number stays a string
+    text = "<tool_call>\n<function=f>\n<parameter=on>\nTrue\n</parameter>\n<parameter=code>\n007\n</parameter>\n" \
+           "</function>\n</tool_call>"
+    assert json.loads(parse_calls(text, ToolPlan((flag,), "auto"))[0]["function"]["arguments"]) == {
+        "on": True, "code": "007"}
+    assert parse_calls(XML_REPLY.replace("get_time", "launch"), plan) is None  # not a tool of this request: text
+    assert parse_calls("I would call <function=get_time> here.", plan) is None  # prose about a call is text
+
+
+def test_xml_calls_stream_as_the_name_then_one_json_fragment_per_argument():
+    from serving.api.tool_calls import StreamedChoice
+
+    plan = ToolPlan(tuple(TOOLS), "required", fmt=QWEN_XML)
+    reader = StreamedChoice(plan)
+    cut = [0, 5, 17, 30, 31, 60, 61, 90, 120, len(XML_REPLY)]
+    deltas, reasons = [], []
+    for i, (a, b) in enumerate(zip(cut, cut[1:])):
+        content, calls, reason = reader.feed(XML_REPLY[a:b], "stop" if i == len(cut) - 2 else None)
+        assert content == ""
+        deltas += calls
+        reasons.append(reason)
+    assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
+    assert [d["function"]["name"] for d in deltas if "id" in d] == ["get_weather", "get_time"]
+    joined: dict[int, str] = {}
+    for d in deltas:
+        joined[d["index"]] = joined.get(d["index"], "") + d["function"]["arguments"]
+    whole = parse_calls(XML_REPLY, plan)
+    assert [joined[0], joined[1]] == [c["function"]["arguments"] for c in whole]
+    pieces = [d["function"]["arguments"] for d in deltas if d["index"] == 0 and "id" not in d]
+    assert pieces == ['{"city":"San\\nJosé"', ',"days":2', "}"]
+
+
+def test_a_string_argument_the_xml_grammar_cannot_hold_raw_is_a_400_naming_it():
+    from serving.api.errors import APIError
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}
+    with pytest.raises(APIError) as refused:
+        call_grammar(ToolPlan((tool,), "required"), QWEN_XML)
+    assert refused.value.status == 400 and "properties.code.pattern" in str(refused.value)
+    grammar = call_grammar(ToolPlan(tuple(TOOLS), "named", "get_weather", parallel=False), QWEN_XML).schema
+    assert grammar.startswith("start: call\n") and "get_time" not in grammar
+    assert "{0,10}" in grammar  # the city's maxLength, on the raw text
+
+
+@pytest.mark.parametrize("native_server", [QWEN_XML, GRANITE], indirect=True)
+def test_calls_and_their_results_go_back_through_the_templates_format(native_server):
+    """The client's next turn carries the calls it got and the tools' results: the template writes them back in
+    its own format (for Qwen3-Coder: strings raw, numbers as JSON) and the model is asked again."""
+    import httpx
+
+    fmt, base, engine = native_server
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    body = {"model": "micro", "messages": messages, "tools": TOOLS, "tool_choice": "required", "max_tokens": 400,
+            "seed": 2}
+    calls = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"][
+        "tool_calls"]
+    turn = [*messages, {"role": "assistant", "content": None, "tool_calls": calls},
+            *[{"role": "tool", "tool_call_id": c["id"], "content": "12 C"} for c in calls]]
+    prompt_ids = []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=120, json={
+            "model": "micro", "max_tokens": 4, "tools": TOOLS, "messages": turn, "stream": True,
+            "return_token_ids": True}) as again:
+        assert again.status_code == 200, again.read()
+        for line in again.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices", []):
+                    prompt_ids += choice.get("prompt_token_ids", [])
+    prompt = engine.tokenizer.decode(prompt_ids)
+    first = calls[0]["function"]
+    if fmt == QWEN_XML:
+        assert f"<function={first['name']}>\n" in prompt
+        for key, value in json.loads(first["arguments"]).items():
+            written = value if isinstance(value, str) else json.dumps(value)
+            assert f"<parameter={key}>\n{written}\n</parameter>" in prompt
+    else:
+        assert f'<|tool_call|>[{{"name": "{first["name"]}"' in prompt

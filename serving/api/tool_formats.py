@@ -1,0 +1,51 @@
+"""Which tool-call format a model was taught, read from its chat template's text.
+
+A model calls tools well only in the format its template shows it, so the server asks for calls in that format
+(``tool_grammar``), reads them back in it (``tool_calls``, ``tool_xml``) and streams them as OpenAI's deltas:
+
+- **fallback**: templates without tools, ours among them: a JSON array of ``{"name", "arguments"}`` objects, asked
+  for by a system message that lists the tools;
+- **llama** (Llama 3.1-3.3): one ``{"name": ..., "parameters": {...}}`` object;
+- **hermes** (Qwen2.5, Qwen3, Hermes): ``{"name", "arguments"}`` objects in ``<tool_call>`` tags, a line apart;
+- **mistral** (v3+ templates) and **granite** (IBM Granite 3.x): a marker, then the fallback's array. Mistral's
+  marker is its ``[TOOL_CALLS]`` control token, Granite's ``<|tool_call|>``;
+- **qwen-xml** (Qwen3-Coder, Qwen3-Next): ``<tool_call>`` tags around ``<function=NAME>`` with one
+  ``<parameter=KEY>`` element per argument, strings written raw and other values as JSON. Its templates hold
+  ``<tool_call>`` too, so it is told apart from hermes by ``<function=`` first.
+
+A template that takes tools in a format we do not know gets the fallback's array.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FALLBACK, LLAMA, HERMES, MISTRAL, GRANITE, QWEN_XML = "fallback", "llama", "hermes", "mistral", "granite", "qwen-xml"
+MISTRAL_CALLS = "[TOOL_CALLS]"  # the control token Mistral's templates open a reply of calls with
+GRANITE_CALLS = "<|tool_call|>"  # the special token Granite's templates open one with
+# the formats that are a marker, then the fallback's array: what the reply opens with
+ARRAY_MARKERS = {MISTRAL: MISTRAL_CALLS, GRANITE: GRANITE_CALLS}
+
+
+def template_takes_tools(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def call_format(tokenizer: Any) -> str:
+    """The tool-call format ``tokenizer``'s chat template shows the model (read from the template's text; the
+    order matters where one format's marks contain another's)."""
+    if not template_takes_tools(tokenizer):
+        return FALLBACK
+    template = tokenizer.chat_template
+    if "<function=" in template and "<parameter=" in template:
+        return QWEN_XML
+    if GRANITE_CALLS in template:
+        return GRANITE
+    if "<tool_call>" in template:
+        return HERMES
+    if MISTRAL_CALLS in template:
+        return MISTRAL
+    if '"parameters"' in template:
+        return LLAMA
+    return FALLBACK
