@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from serving.api import tool_listing, tool_xml
 from serving.api.errors import APIError
-from serving.api.tool_formats import ARRAY_MARKERS, FALLBACK, MISTRAL, QWEN_XML
+from serving.api.tool_formats import ARRAY_MARKERS, FALLBACK, MISTRAL, QWEN_XML, new_call_id
 
 FALLBACK_INSTRUCTIONS = ("You can call these functions. To call one or more, reply with only a JSON array of calls, "
                          'like [{"name": "a_function", "arguments": {"a": 1}}].\nFunctions:\n')
@@ -117,11 +116,6 @@ def _arguments(call: dict) -> Any:
         except json.JSONDecodeError:
             return arguments
     return arguments
-
-
-def new_call_id(short: bool = False) -> str:
-    """OpenAI's shape (``call_`` and 24 hex digits), or the 9 letters and digits Mistral's templates require."""
-    return uuid.uuid4().hex[:9] if short else f"call_{uuid.uuid4().hex[:24]}"
 
 
 def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:

@@ -18,6 +18,7 @@ A template that takes tools in a format we do not know gets the fallback's array
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 FALLBACK, LLAMA, HERMES, MISTRAL, GRANITE, QWEN_XML = "fallback", "llama", "hermes", "mistral", "granite", "qwen-xml"
@@ -49,3 +50,8 @@ def call_format(tokenizer: Any) -> str:
     if '"parameters"' in template:
         return LLAMA
     return FALLBACK
+
+
+def new_call_id(short: bool = False) -> str:
+    """OpenAI's shape (``call_`` and 24 hex digits), or the 9 letters and digits Mistral's templates require."""
+    return uuid.uuid4().hex[:9] if short else f"call_{uuid.uuid4().hex[:24]}"

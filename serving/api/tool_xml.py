@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from serving.api.errors import APIError
+from serving.api.tool_formats import new_call_id
 
 # string keywords a raw value's grammar can hold; a pattern or a format is a 400 in this format (the JSON formats
 # hold them, as JSON strings)
@@ -107,7 +107,7 @@ class XmlCallStream:
                 if opened is None:
                     return deltas
                 self._function, self._arguments, self._pos = opened[1], 0, opened.end()
-                self.ids.append(uuid.uuid4().hex[:9] if self.short_ids else f"call_{uuid.uuid4().hex[:24]}")
+                self.ids.append(new_call_id(self.short_ids))
                 deltas.append({"index": self.calls, "id": self.ids[-1], "type": "function",
                                "function": {"name": opened[1], "arguments": ""}})
                 continue
