@@ -130,9 +130,9 @@ def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:
     stripped = text.strip()
     for marker in ARRAY_MARKERS.values():  # there when special tokens are kept
         stripped = stripped.removeprefix(marker).strip()
-    if "<function=" in stripped:
-        xml = tool_xml.read_calls(stripped, plan.by_name)
-        return [_call(name, arguments, plan) for name, arguments in xml] if xml else None
+    xml = tool_xml.read_calls(stripped, plan.by_name) if "<function=" in stripped else None
+    if xml:
+        return [_call(name, arguments, plan) for name, arguments in xml]
     found: list[Any] = []
     tagged = _TAGGED_CALL.findall(stripped)
     try:

@@ -295,3 +295,11 @@ def test_calls_and_their_results_go_back_through_the_templates_format(native_ser
             assert f"<parameter={key}>\n{written}\n</parameter>" in prompt
     else:
         assert f'<|tool_call|>[{{"name": "{first["name"]}"' in prompt
+
+
+def test_a_json_call_whose_argument_mentions_an_xml_tag_is_still_read_as_json():
+    tool = {"type": "function", "function": {"name": "render", "parameters": {
+        "type": "object", "properties": {"html": {"type": "string"}}}}}
+    text = '<tool_call>\n{"name": "render", "arguments": {"html": "<function=x>"}}\n</tool_call>'
+    calls = parse_calls(text, ToolPlan((tool,), "auto", fmt=HERMES))
+    assert json.loads(calls[0]["function"]["arguments"]) == {"html": "<function=x>"}
