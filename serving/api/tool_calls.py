@@ -21,9 +21,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.api import tool_listing, tool_xml
+from serving.api import tool_listing, tool_pythonic, tool_xml
 from serving.api.errors import APIError
-from serving.api.tool_formats import ARRAY_MARKERS, FALLBACK, MISTRAL, QWEN_XML, new_call_id
+from serving.api.tool_formats import ARRAY_MARKERS, FALLBACK, MISTRAL, PYTHONIC, QWEN_XML, new_call_id
 
 FALLBACK_INSTRUCTIONS = ("You can call these functions. To call one or more, reply with only a JSON array of calls, "
                          'like [{"name": "a_function", "arguments": {"a": 1}}].\nFunctions:\n')
@@ -123,16 +123,18 @@ def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:
 
     Read in every format we know: the fallback's array (Mistral's and Granite's too, after their marker), one
     call object (Llama 3.1 names the arguments ``parameters``), ``<tool_call>`` blocks of JSON (Qwen2.5, Qwen3)
-    or of ``<function=...>`` elements (Qwen3-Coder, ``tool_xml``). A call to a function the request did not send is
-    text."""
+    or of ``<function=...>`` elements (Qwen3-Coder, ``tool_xml``), and, where the template asks for it, a Python
+    list of calls (Llama 4, ``tool_pythonic``). A call to a function the request did not send is text."""
     if plan.choice == "none":
         return None
     stripped = text.strip()
     for marker in ARRAY_MARKERS.values():  # there when special tokens are kept
         stripped = stripped.removeprefix(marker).strip()
-    xml = tool_xml.read_calls(stripped, plan.by_name) if "<function=" in stripped else None
-    if xml:
-        return [_call(name, arguments, plan) for name, arguments in xml]
+    read = tool_xml.read_calls(stripped, plan.by_name) if "<function=" in stripped else None
+    if read is None and plan.fmt == PYTHONIC:
+        read = tool_pythonic.read_calls(stripped, plan.by_name)
+    if read:
+        return [_call(name, arguments, plan) for name, arguments in read]
     found: list[Any] = []
     tagged = _TAGGED_CALL.findall(stripped)
     try:
@@ -217,17 +219,20 @@ class CallStream:
 @dataclass
 class StreamedChoice:
     """One streamed choice of a request with tools: each text delta becomes the chunk's ``content`` and/or
-    ``tool_calls`` deltas. A constrained reply is all calls (read by ``CallStream``, or ``XmlCallStream``, as it
-    comes). Under ``auto`` a reply that starts like a call (``[``, ``{``, a format's tag or marker) is held until it
-    ends, then sent as calls if it is one, as text if not; any other reply streams as text from its first token."""
+    ``tool_calls`` deltas. A constrained reply is all calls, read as it comes (``CallStream`` for the JSON formats,
+    ``XmlCallStream`` for Qwen3-Coder's, ``PythonicCallStream`` for Llama 4's lists). Under ``auto`` a reply that
+    starts like a call (``[``, ``{``, a format's tag or marker) is held until it ends, then sent as calls if it is
+    one, as text if not; any other reply streams as text from its first token."""
 
     plan: ToolPlan
-    calls: CallStream | tool_xml.XmlCallStream = field(init=False)
+    calls: CallStream | tool_xml.XmlCallStream | tool_pythonic.PythonicCallStream = field(init=False)
     held: str = ""
     streaming_text: bool = False
 
     def __post_init__(self) -> None:
-        self.calls = (tool_xml.XmlCallStream(self.plan.by_name, self.plan.short_ids) if self.plan.fmt == QWEN_XML
+        readers = {QWEN_XML: tool_xml.XmlCallStream, PYTHONIC: tool_pythonic.PythonicCallStream}
+        reader = readers.get(self.plan.fmt)
+        self.calls = (reader(self.plan.by_name, self.plan.short_ids) if reader
                       else CallStream(short_ids=self.plan.short_ids))
 
     def feed(self, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:

@@ -11,7 +11,9 @@ A model calls tools well only in the format its template shows it, so the server
   marker is its ``[TOOL_CALLS]`` control token, Granite's ``<|tool_call|>``;
 - **qwen-xml** (Qwen3-Coder, Qwen3-Next): ``<tool_call>`` tags around ``<function=NAME>`` with one
   ``<parameter=KEY>`` element per argument, strings written raw and other values as JSON. Its templates hold
-  ``<tool_call>`` too, so it is told apart from hermes by ``<function=`` first.
+  ``<tool_call>`` too, so it is told apart from hermes by ``<function=`` first;
+- **pythonic** (Llama 4, and Llama 3.2's pythonic templates): a Python list of calls with keyword arguments,
+  ``[get_weather(city="Oslo", days=2)]``, told by the example the templates give, ``[func_name1(``.
 
 A template that takes tools in a format we do not know gets the fallback's array.
 """
@@ -22,6 +24,7 @@ import uuid
 from typing import Any
 
 FALLBACK, LLAMA, HERMES, MISTRAL, GRANITE, QWEN_XML = "fallback", "llama", "hermes", "mistral", "granite", "qwen-xml"
+PYTHONIC = "pythonic"
 MISTRAL_CALLS = "[TOOL_CALLS]"  # the control token Mistral's templates open a reply of calls with
 GRANITE_CALLS = "<|tool_call|>"  # the special token Granite's templates open one with
 # the formats that are a marker, then the fallback's array: what the reply opens with
@@ -47,6 +50,8 @@ def call_format(tokenizer: Any) -> str:
         return HERMES
     if MISTRAL_CALLS in template:
         return MISTRAL
+    if "[func_name1(" in template:
+        return PYTHONIC
     if '"parameters"' in template:
         return LLAMA
     return FALLBACK

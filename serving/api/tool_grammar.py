@@ -9,7 +9,8 @@ the model was shown (``tool_formats``), so that the grammar and the prompt tell 
   (``<[id]>``) where the vocabulary has it as one token, so the model writes the one token its template taught
   it, never the characters spelled out; a reply decoded without special tokens is then the fallback's array,
   which ``parse_calls`` reads;
-- **qwen-xml**: ``<function=...>`` elements in ``<tool_call>`` tags (``tool_xml.call_grammar``).
+- **qwen-xml**: ``<function=...>`` elements in ``<tool_call>`` tags (``tool_xml.call_grammar``);
+- **pythonic**: a Python list of calls with keyword arguments (``tool_pythonic.call_grammar``).
 
 Every JSON format is written compactly in schema order, which is what ``CallStream`` reads as it streams.
 """
@@ -19,9 +20,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serving.api import tool_xml
+from serving.api import tool_pythonic, tool_xml
 from serving.api.tool_calls import ToolPlan
-from serving.api.tool_formats import ARRAY_MARKERS, HERMES, LLAMA, QWEN_XML
+from serving.api.tool_formats import ARRAY_MARKERS, HERMES, LLAMA, PYTHONIC, QWEN_XML
 from serving.engine.structured_output import StructuredOutput
 
 MAX_PARALLEL_CALLS = 8
@@ -33,9 +34,10 @@ def call_grammar(plan: ToolPlan, fmt: str, tokenizer: Any = None) -> StructuredO
         calls = json.dumps({**call_schema(plan), "x-guidance": {"whitespace_flexible": False}}, separators=(",", ":"))
         opening = _marker(tokenizer, ARRAY_MARKERS[fmt])
         return StructuredOutput.lark(f"start: {opening} body\nbody: %json {calls}", where="tools")
-    if fmt == QWEN_XML:
-        tools = [t for t in plan.tools if plan.name is None or t["function"]["name"] == plan.name]
-        return StructuredOutput.lark(tool_xml.call_grammar(tools, plan.parallel, MAX_PARALLEL_CALLS), where="tools")
+    if fmt in (QWEN_XML, PYTHONIC):
+        build = tool_xml.call_grammar if fmt == QWEN_XML else tool_pythonic.call_grammar
+        grammar, parts = build(plan.tools, plan.name, plan.parallel, MAX_PARALLEL_CALLS)
+        return StructuredOutput.lark(grammar, where="tools", json_parts=parts)
     if fmt == LLAMA:
         return StructuredOutput.json_schema(_one_of(_call_objects(plan, "parameters")), where="tools")
     if fmt == HERMES:

@@ -48,6 +48,12 @@ def is_raw_string(schema: Any) -> bool:
     return "type" not in schema and bool(choices) and all(isinstance(c, str) for c in choices)
 
 
+def json_part(schema: Any) -> str:
+    """An argument's schema as a grammar's compact ``%json`` part (no whitespace a model could ramble in)."""
+    compact = {**(schema if isinstance(schema, dict) else {}), "x-guidance": {"whitespace_flexible": False}}
+    return json.dumps(compact, separators=(",", ":"))
+
+
 def parameter_schemas(tool: dict) -> dict[str, Any]:
     """A tool's arguments by name, in the order its schema lists them (required ones it does not describe last)."""
     parameters = tool["function"].get("parameters") or {}
@@ -129,32 +135,37 @@ class XmlCallStream:
                 "arguments": f"{opening}{json.dumps(found[1], ensure_ascii=False)}:{value}"}})
 
 
-def call_grammar(tools: list[dict], parallel: bool, max_calls: int) -> str:
-    """A Lark grammar (llguidance) for a reply of calls to ``tools``: every required argument in schema order,
-    each optional one in its place or left out, strings raw within their length bounds, other values held to
-    their schema as JSON."""
-    rules = [rf'start: call ("\n" call){{0,{max_calls - 1}}}' if parallel else "start: call",
-             'call: "<tool_call>\\n" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + ') "</tool_call>"']
+def call_grammar(tools: tuple[dict, ...], name: str | None, parallel: bool,
+                 max_calls: int) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """A Lark grammar (llguidance) for a reply of calls to ``tools`` (to the one ``name``d, if one is): every
+    required argument in schema order, each optional one in its place or left out, strings raw within their length
+    bounds, other values held to their schema as JSON; and the grammar's JSON parts with their request paths."""
+    rules = [rf'start: call ("\n" call){{0,{max_calls - 1}}}' if parallel else "start: call"]
+    functions, parts = [], []
     for i, tool in enumerate(tools):
-        name = tool["function"]["name"]
+        if name is not None and tool["function"]["name"] != name:
+            continue
         required = set((tool["function"].get("parameters") or {}).get("required") or [])
-        parts = []
+        arguments = []
         for j, (key, schema) in enumerate(parameter_schemas(tool).items()):
             where = f"tools.{i}.function.parameters.properties.{key}"
-            rules += _argument_rules(f"arg_{i}_{j}", key, schema, where)
-            parts.append(f"arg_{i}_{j}" + ("" if key in required else "?"))
-        rules.append(f"fn_{i}: {json.dumps(f'<function={name}>' + chr(10))} {' '.join(parts)} "
-                     '"</function>\\n"')
-    return "\n".join(rules)
+            rules += _argument_rules(f"arg_{i}_{j}", key, schema, where, parts)
+            arguments.append(f"arg_{i}_{j}" + ("" if key in required else "?"))
+        opening = json.dumps(f"<function={tool['function']['name']}>\n")
+        rules.append(f"fn_{i}: {opening} {' '.join(arguments)} " + '"</function>\\n"')
+        functions.append(f"fn_{i}")
+    rules.insert(1, 'call: "<tool_call>\\n" (' + " | ".join(functions) + ') "</tool_call>"')
+    return "\n".join(rules), tuple(parts)
 
 
-def _argument_rules(rule: str, key: str, schema: Any, where: str) -> list[str]:
-    """The rules of one argument: its opening tag, its value, its closing tag."""
+def _argument_rules(rule: str, key: str, schema: Any, where: str, parts: list[tuple[str, str]]) -> list[str]:
+    """The rules of one argument: its opening tag, its value, its closing tag (a JSON value's schema joins
+    ``parts``)."""
     opening, closing = json.dumps(f"<parameter={key}>\n"), json.dumps("\n</parameter>\n")
     if not is_raw_string(schema):
-        compact = {**(schema if isinstance(schema, dict) else {}), "x-guidance": {"whitespace_flexible": False}}
-        return [f"{rule}: {opening} {rule}_json {closing}",
-                f"{rule}_json: %json {json.dumps(compact, separators=(',', ':'))}"]
+        text = json_part(schema)
+        parts.append((where, text))
+        return [f"{rule}: {opening} {rule}_json {closing}", f"{rule}_json: %json {text}"]
     unsupported = sorted(set(schema) - _RAW_STRING_KEYWORDS)
     if unsupported:
         raise APIError(400, f"{where}.{unsupported[0]}: not supported for a string argument in this model's "

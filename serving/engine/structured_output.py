@@ -43,6 +43,8 @@ class StructuredOutput:
     # the last ``prefix_tokens`` prompt tokens are the reply so far (a gateway finishing a stream on another
     # replica): the grammar reads them before the first new token
     prefix_tokens: int = 0
+    # a Lark grammar's JSON parts, as (request path, schema JSON): where an error about a keyword points
+    json_parts: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def json_schema(cls, schema: dict, where: str = "response_format.json_schema.schema") -> StructuredOutput:
@@ -50,8 +52,8 @@ class StructuredOutput:
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), where)
 
     @classmethod
-    def lark(cls, grammar: str, where: str) -> StructuredOutput:
-        return cls("lark", grammar, where)
+    def lark(cls, grammar: str, where: str, json_parts: tuple[tuple[str, str], ...] = ()) -> StructuredOutput:
+        return cls("lark", grammar, where, json_parts=json_parts)
 
 
 class GrammarCache:
@@ -109,15 +111,21 @@ def _locate(spec: StructuredOutput, error: str) -> str:
     (``Unimplemented keys: ["not"]``): the first place that keyword appears, else the schema itself."""
     if "keys:" not in error:
         return spec.where
-    # a Lark grammar's JSON part is the schema after its `%json` (tool_grammar writes one, on the last line)
-    text = spec.schema.rsplit("%json", 1)[-1] if spec.kind == "lark" else spec.schema
+    # a Lark grammar names its JSON parts; else its JSON part is the schema after its last `%json`
+    parts = spec.json_parts or ((spec.where, spec.schema.rsplit("%json", 1)[-1] if spec.kind == "lark"
+                                 else spec.schema),)
     try:
-        keys = json.loads(error.split("keys:", 1)[1].strip().splitlines()[0])
-        schema = json.loads(text)
+        keys = set(json.loads(error.split("keys:", 1)[1].strip().splitlines()[0]))
     except (ValueError, IndexError):
         return spec.where
-    path = _find_key(schema, set(keys))
-    return spec.where + "".join(f".{p}" for p in path) if path is not None else spec.where
+    for where, text in parts:
+        try:
+            path = _find_key(json.loads(text), keys)
+        except ValueError:
+            continue
+        if path is not None:
+            return where + "".join(f".{p}" for p in path)
+    return spec.where
 
 
 def _find_key(node: Any, keys: set[str], path: tuple[str, ...] = ()) -> tuple[str, ...] | None:

@@ -11,7 +11,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from serving.api.tool_calls import ToolPlan, parse_calls
-from serving.api.tool_formats import FALLBACK, GRANITE, HERMES, LLAMA, MISTRAL, QWEN_XML, call_format
+from serving.api.tool_formats import FALLBACK, GRANITE, HERMES, LLAMA, MISTRAL, PYTHONIC, QWEN_XML, call_format
 from serving.api.tool_grammar import call_grammar
 from serving.engine import EngineConfig
 from tests.serving.conftest import CHAT_TEMPLATE
@@ -52,20 +52,30 @@ _GRANITE_TURNS = ("{% for m in messages %}<|start_of_role|>{{ m['role'] }}<|end_
 GRANITE_TEMPLATE = ("{% if tools %}<|start_of_role|>available_tools<|end_of_role|>{{ tools | tojson }}"
                     "<|end_of_text|>\n{% endif %}" + _GRANITE_TURNS)
 # Qwen3-Coder in brief: the format spelled out in the system turn, and earlier calls written back in it (strings
-# raw, other values as JSON); its <tool_call> tags are why it must be told from Hermes by <function= first
+# raw, other values as JSON); its <tool_call> tags are why it must be told from Hermes by <function= first. (A
+# newline right after a block tag is dropped by the templates' trim_blocks: each branch ends with its own.)
 _XML_CALL = ("<tool_call>\n<function={{ c.function.name }}>\n{% for k, v in c.function.arguments.items() %}"
-             "<parameter={{ k }}>\n{% if v is string %}{{ v }}{% else %}{{ v | tojson }}{% endif %}\n</parameter>\n"
+             "<parameter={{ k }}>\n{% if v is string %}{{ v }}\n{% else %}{{ v | tojson }}\n{% endif %}</parameter>\n"
              "{% endfor %}</function>\n</tool_call>")
 QWEN_XML_TEMPLATE = ("{% if tools %}<|system|>\nYou have these functions: {% for t in tools %}{{ t.function | tojson }}"
                      "{% endfor %}\nTo call one, reply in this format:\n<tool_call>\n<function=example_function_name>"
                      "\n<parameter=example_parameter>\nvalue\n</parameter>\n</function>\n</tool_call><|end|>\n"
                      "{% endif %}" + _TURNS.replace("CALL", _XML_CALL))
+# Llama 4's pythonic template in brief: the format asked for by example, earlier calls written back as a list
+PYTHONIC_TEMPLATE = ("{{ bos_token }}{% if tools %}<|system|>\nTo call functions, use exact format: "
+                     "[func_name1(param1=value1, param2=value2), func_name2(...)]\nFunctions: "
+                     "{% for t in tools %}{{ t.function | tojson }}{% endfor %}<|end|>\n{% endif %}"
+                     + _TURNS.replace("{% for c in m.tool_calls %}CALL{% endfor %}",
+                                      "[{% for c in m.tool_calls %}{{ c.function.name }}("
+                                      "{% for k, v in c.function.arguments.items() %}{{ k }}={{ v | tojson }}"
+                                      "{% if not loop.last %}, {% endif %}{% endfor %})"
+                                      "{% if not loop.last %}, {% endif %}{% endfor %}]"))
 TEMPLATES = {HERMES: HERMES_TEMPLATE, LLAMA: LLAMA_TEMPLATE, MISTRAL: MISTRAL_TEMPLATE, GRANITE: GRANITE_TEMPLATE,
-             QWEN_XML: QWEN_XML_TEMPLATE}
+             QWEN_XML: QWEN_XML_TEMPLATE, PYTHONIC: PYTHONIC_TEMPLATE}
 OPENING = {HERMES: "<tool_call>\n{", LLAMA: '{"name":', MISTRAL: '[TOOL_CALLS][{"name":',
-           GRANITE: '<|tool_call|>[{"name":', QWEN_XML: "<tool_call>\n<function="}
+           GRANITE: '<|tool_call|>[{"name":', QWEN_XML: "<tool_call>\n<function=", PYTHONIC: "[get_"}
 SPECIALS = {MISTRAL: ("[TOOL_CALLS]",), GRANITE: ("<|tool_call|>",)}
-ARGUMENTS_KEY = {LLAMA: '"parameters":', QWEN_XML: "<parameter="}
+ARGUMENTS_KEY = {LLAMA: '"parameters":', QWEN_XML: "<parameter=", PYTHONIC: "("}
 
 
 class _Template:
@@ -79,6 +89,7 @@ def test_the_format_is_read_from_the_template():
     assert call_format(_Template(MISTRAL_TEMPLATE)) == MISTRAL
     assert call_format(_Template(GRANITE_TEMPLATE)) == GRANITE
     assert call_format(_Template(QWEN_XML_TEMPLATE)) == QWEN_XML  # it has <tool_call> too: not Hermes
+    assert call_format(_Template(PYTHONIC_TEMPLATE)) == PYTHONIC
     assert call_format(_Template(CHAT_TEMPLATE)) == FALLBACK  # takes no tools
     assert call_format(_Template(None)) == FALLBACK
     unknown = "{% for t in tools %}<function_call>{% endfor %}"  # a format we do not know
@@ -107,11 +118,11 @@ def test_a_mistral_grammar_opens_with_the_control_token_by_id_where_the_vocabula
     assert json.loads(spelled.schema.split("%json ", 1)[1])["type"] == "array"
 
 
-@pytest.fixture(scope="module", params=[HERMES, LLAMA, MISTRAL, GRANITE, QWEN_XML])
+@pytest.fixture(scope="module", params=[HERMES, LLAMA, MISTRAL, GRANITE, QWEN_XML, PYTHONIC])
 def native_server(request, tmp_path_factory):
-    """The 2k-context tiny Llama with a Hermes, a Llama 3.1, a Mistral, a Granite or a Qwen3-Coder template (and,
-    for Mistral and Granite, their marker as a special token in the vocabulary), served on our engine in this
-    process."""
+    """The 2k-context tiny Llama with a Hermes, a Llama 3.1, a Mistral, a Granite, a Qwen3-Coder or a Llama 4
+    pythonic template (and, for Mistral and Granite, their marker as a special token in the vocabulary), served on
+    our engine in this process."""
     from tests.serving.conftest import build_tiny_model
     from tests.serving.test_api_server import running_server
 
@@ -263,7 +274,7 @@ def test_a_string_argument_the_xml_grammar_cannot_hold_raw_is_a_400_naming_it():
     assert "{0,10}" in grammar  # the city's maxLength, on the raw text
 
 
-@pytest.mark.parametrize("native_server", [QWEN_XML, GRANITE], indirect=True)
+@pytest.mark.parametrize("native_server", [QWEN_XML, GRANITE, PYTHONIC], indirect=True)
 def test_calls_and_their_results_go_back_through_the_templates_format(native_server):
     """The client's next turn carries the calls it got and the tools' results: the template writes them back in
     its own format (for Qwen3-Coder: strings raw, numbers as JSON) and the model is asked again."""
@@ -284,8 +295,7 @@ def test_calls_and_their_results_go_back_through_the_templates_format(native_ser
         assert again.status_code == 200, again.read()
         for line in again.iter_lines():
             if line.startswith("data: {"):
-                for choice in json.loads(line[6:]).get("choices", []):
-                    prompt_ids += choice.get("prompt_token_ids", [])
+                prompt_ids += json.loads(line[6:]).get("prompt_token_ids", [])  # with the first chunk
     prompt = engine.tokenizer.decode(prompt_ids)
     first = calls[0]["function"]
     if fmt == QWEN_XML:
@@ -293,8 +303,10 @@ def test_calls_and_their_results_go_back_through_the_templates_format(native_ser
         for key, value in json.loads(first["arguments"]).items():
             written = value if isinstance(value, str) else json.dumps(value)
             assert f"<parameter={key}>\n{written}\n</parameter>" in prompt
-    else:
+    elif fmt == GRANITE:
         assert f'<|tool_call|>[{{"name": "{first["name"]}"' in prompt
+    else:
+        assert f"[{first['name']}(" in prompt
 
 
 def test_a_json_call_whose_argument_mentions_an_xml_tag_is_still_read_as_json():
@@ -303,3 +315,58 @@ def test_a_json_call_whose_argument_mentions_an_xml_tag_is_still_read_as_json():
     text = '<tool_call>\n{"name": "render", "arguments": {"html": "<function=x>"}}\n</tool_call>'
     calls = parse_calls(text, ToolPlan((tool,), "auto", fmt=HERMES))
     assert json.loads(calls[0]["function"]["arguments"]) == {"html": "<function=x>"}
+
+
+def test_pythonic_calls_are_read_as_python_with_either_spelling_of_true():
+    plan = ToolPlan(tuple(TOOLS), "auto", fmt=PYTHONIC)
+    calls = parse_calls('[get_weather(city="Oslo", days=2), get_time(zone=\'utc\')]', plan)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "utc"})]
+    flag = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "on": {"type": "boolean"}, "opts": {"type": "object"}, "n": {"type": "number"}}}}}
+    both = parse_calls('[f(on=True, opts={"a": true, "b": null}, n=-1.5)]', ToolPlan((flag,), "auto", fmt=PYTHONIC))
+    assert json.loads(both[0]["function"]["arguments"]) == {"on": True, "opts": {"a": True, "b": None}, "n": -1.5}
+    for text in ('[get_weather("Oslo", 2)]', "[launch()]", "[get_time(zone=open('x'))]", "It is sunny.",
+                 '[get_time(zone="utc")'):  # positional, not a tool, not a literal, prose, cut short
+        assert parse_calls(text, plan) is None, text
+    assert parse_calls('[get_time(zone="utc")]', ToolPlan(tuple(TOOLS), "auto")) is None  # not this model's format
+
+
+def test_pythonic_calls_stream_as_the_name_then_the_arguments_when_the_call_closes():
+    from serving.api.tool_calls import StreamedChoice
+
+    reply = '[get_weather(city="a, (b)", days=2), get_time(zone="cet")]'
+    plan = ToolPlan(tuple(TOOLS), "required", fmt=PYTHONIC)
+    reader = StreamedChoice(plan)
+    deltas = []
+    for i in range(0, len(reply), 3):
+        deltas += reader.feed(reply[i:i + 3], "stop" if i + 3 >= len(reply) else None)[1]
+    assert [d["function"]["name"] for d in deltas if "id" in d] == ["get_weather", "get_time"]
+    assert "id" in deltas[0] and deltas[1]["function"]["arguments"] == '{"city":"a, (b)","days":2}'
+    whole = parse_calls(reply, plan)
+    assert [d["function"]["arguments"] for d in deltas if "id" not in d] == [c["function"]["arguments"]
+                                                                           for c in whole]
+
+
+def test_the_pythonic_grammar_writes_every_required_argument_in_order_and_may_leave_out_the_others(tmp_path):
+    from transformers import AutoTokenizer
+
+    from serving.engine.structured_output import GrammarCache
+    from tests.serving.conftest import build_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "m"))
+    cache = GrammarCache(tok, len(tok), frozenset({tok.eos_token_id}))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["b"],
+            "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 3},
+                           "c": {"type": "boolean"}}}}}
+    spec = call_grammar(ToolPlan((tool,), "required", parallel=False), PYTHONIC)
+
+    def accepts(text: str) -> bool:
+        matcher = cache.matcher(spec)
+        return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    for text in ('[f(b="x")]', '[f(a=1, b="x")]', '[f(b="x", c=True)]', '[f(a=-2, b="xyz", c=False)]'):
+        assert accepts(text), text
+    for text in ("[f()]", "[f(a=1)]", '[f(b="x", a=1)]', '[f(, b="x")]', '[f(b="long")]', '[f(b="x", c=true)]',
+                 '[f(b="x"), f(b="y")]'):  # no b, b missing, out of order, a stray comma, too long, JSON's true,
+        assert not accepts(text), text  # two calls where one is allowed
