@@ -100,7 +100,10 @@ class Probes:
     data_dir: Optional[str] = None  # a data-stage output (tasks_heldout.jsonl, safety_heldout.jsonl)
     tasks: int = 40
     safety: int = 40  # harmful and look-alike prompts together
-    samples: int = 4  # draws per task prompt with no temperature or top_p in the request (0: greedy probes only)
+    # draws per task prompt with no temperature or top_p in the request (0: greedy probes only); 8 draws of 40
+    # prompts are 320 a look: a pass then rules out about +0.11 where 160 ruled out +0.14 (RESULTS.md, "Sampled
+    # probes pooled over looks")
+    samples: int = 8
     # task prompts asked for a JSON answer under response_format, and as many again as a required tool call:
     # what a program calling the snapshot depends on (evals.json_replies)
     structured: int = 8
