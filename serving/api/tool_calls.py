@@ -23,7 +23,7 @@ from typing import Any
 
 from serving.api import tool_listing, tool_pythonic, tool_xml
 from serving.api.errors import APIError
-from serving.api.tool_formats import ARRAY_MARKERS, FALLBACK, MISTRAL, PYTHONIC, QWEN_XML, new_call_id
+from serving.api.tool_formats import ARRAY_MARKERS, FALLBACK, MISTRAL, PYTHONIC, QWEN_XML, CallReader, new_call_id
 
 FALLBACK_INSTRUCTIONS = ("You can call these functions. To call one or more, reply with only a JSON array of calls, "
                          'like [{"name": "a_function", "arguments": {"a": 1}}].\nFunctions:\n')
@@ -157,22 +157,17 @@ def _call(name: str, arguments: Any, plan: ToolPlan) -> dict:
 
 
 @dataclass
-class CallStream:
+class CallStream(CallReader):
     """Reads the fallback's array as it streams and says, per delta, what OpenAI's chunks carry: a call's
     ``id`` and ``name`` once the name is complete, then its ``arguments`` text in fragments as they arrive.
 
     The grammar writes the array compactly, in schema order (``[{"name":"f","arguments":{...}},...]``), so the
     reader needs no general JSON parser: it finds each name, then follows the arguments object's depth."""
 
-    short_ids: bool = False
-    buffer: str = ""
-    calls: int = 0
-    _pos: int = 0
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
     _in_arguments: bool = False
-    ids: list[str] = field(default_factory=list)
 
     _NAME = re.compile(r'\{"name":"((?:[^"\\]|\\.)*)","(?:arguments|parameters)":')
 
@@ -185,9 +180,7 @@ class CallStream:
                 match = self._NAME.search(self.buffer, self._pos)
                 if match is None:
                     break
-                self.ids.append(new_call_id(self.short_ids))
-                deltas.append({"index": self.calls, "id": self.ids[-1], "type": "function",
-                               "function": {"name": json.loads(f'"{match[1]}"'), "arguments": ""}})
+                deltas.append(self._opening(json.loads(f'"{match[1]}"')))
                 self._pos, self._in_arguments, self._depth = match.end(), True, 0
                 continue
             start = self._pos
@@ -225,15 +218,13 @@ class StreamedChoice:
     one, as text if not; any other reply streams as text from its first token."""
 
     plan: ToolPlan
-    calls: CallStream | tool_xml.XmlCallStream | tool_pythonic.PythonicCallStream = field(init=False)
+    calls: CallReader = field(init=False)
     held: str = ""
     streaming_text: bool = False
 
     def __post_init__(self) -> None:
         readers = {QWEN_XML: tool_xml.XmlCallStream, PYTHONIC: tool_pythonic.PythonicCallStream}
-        reader = readers.get(self.plan.fmt)
-        self.calls = (reader(self.plan.by_name, self.plan.short_ids) if reader
-                      else CallStream(short_ids=self.plan.short_ids))
+        self.calls = readers.get(self.plan.fmt, CallStream)(self.plan.by_name, self.plan.short_ids)
 
     def feed(self, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
         """(content, tool_calls deltas, finish_reason) for the next delta; ``finish_reason`` on the last one."""

@@ -21,6 +21,7 @@ A template that takes tools in a format we do not know gets the fallback's array
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 FALLBACK, LLAMA, HERMES, MISTRAL, GRANITE, QWEN_XML = "fallback", "llama", "hermes", "mistral", "granite", "qwen-xml"
@@ -60,3 +61,27 @@ def call_format(tokenizer: Any) -> str:
 def new_call_id(short: bool = False) -> str:
     """OpenAI's shape (``call_`` and 24 hex digits), or the 9 letters and digits Mistral's templates require."""
     return uuid.uuid4().hex[:9] if short else f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class CallReader:
+    """What every streaming reader of calls keeps (``tool_calls.CallStream``, ``tool_xml.XmlCallStream``,
+    ``tool_pythonic.PythonicCallStream``): the reply so far, how far it has been read, the calls opened and their
+    ids; ``tools`` by name, for the readers that take an argument's type from its schema."""
+
+    tools: dict[str, dict] = field(default_factory=dict)
+    short_ids: bool = False
+    buffer: str = ""
+    calls: int = 0
+    ids: list[str] = field(default_factory=list)
+    _pos: int = 0
+
+    def feed(self, text: str) -> list[dict]:
+        """The ``tool_calls`` deltas for ``text``, the next piece of the reply (each format's reader says how)."""
+        raise NotImplementedError
+
+    def _opening(self, name: str) -> dict:
+        """The first delta of the next call: its id, its name, no arguments yet."""
+        self.ids.append(new_call_id(self.short_ids))
+        return {"index": self.calls, "id": self.ids[-1], "type": "function",
+                "function": {"name": name, "arguments": ""}}

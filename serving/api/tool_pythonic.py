@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import ast
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from serving.api.tool_formats import new_call_id
-from serving.api.tool_xml import json_part, parameter_schemas
+from serving.api.tool_formats import CallReader
+from serving.api.tool_xml import json_part, offered, parameter_schemas
 
 _NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
 
@@ -62,17 +62,11 @@ def _literal(node: ast.AST) -> Any:
 
 
 @dataclass
-class PythonicCallStream:
+class PythonicCallStream(CallReader):
     """Reads a list of calls as it streams and says, per delta, what OpenAI's chunks carry: a call's ``id`` and
     ``name`` once its ``(`` arrives, then its arguments as one JSON fragment once its ``)`` closes it (a call's
     arguments are Python until then; the fragment is the very text the whole reply's ``arguments`` has)."""
 
-    tools: dict[str, dict]
-    short_ids: bool = False
-    buffer: str = ""
-    calls: int = 0
-    ids: list[str] = field(default_factory=list)
-    _pos: int = 0
     _depth: int = 0  # 1 inside the list, 2 inside a call's parentheses, more inside its values
     _quote: str | None = None
     _escaped: bool = False
@@ -96,10 +90,7 @@ class PythonicCallStream:
                 self._quote = ch
             elif ch in "([{":
                 if ch == "(" and self._depth == 1:
-                    name = self.buffer[self._call_start:self._pos - 1].strip(" ,\n")
-                    self.ids.append(new_call_id(self.short_ids))
-                    deltas.append({"index": self.calls, "id": self.ids[-1], "type": "function",
-                                   "function": {"name": name, "arguments": ""}})
+                    deltas.append(self._opening(self.buffer[self._call_start:self._pos - 1].strip(" ,\n")))
                 self._depth += 1
                 if self._depth == 1:
                     self._call_start = self._pos
@@ -122,10 +113,7 @@ def call_grammar(tools: tuple[dict, ...], name: str | None, parallel: bool,
     their schemas; and the grammar's JSON parts with their request paths."""
     rules = [rf'start: "[" call (", " call){{0,{max_calls - 1}}} "]"' if parallel else 'start: "[" call "]"']
     functions, parts = [], []
-    for i, tool in enumerate(tools):
-        if name is not None and tool["function"]["name"] != name:
-            continue
-        required = set((tool["function"].get("parameters") or {}).get("required") or [])
+    for i, tool, required in offered(tools, name):
         params = list(parameter_schemas(tool).items())
         for j, (key, schema) in enumerate(params):
             rules += _argument_rules(f"arg_{i}_{j}", key, schema, f"tools.{i}.function.parameters.properties.{key}",

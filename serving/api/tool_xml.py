@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from serving.api.errors import APIError
-from serving.api.tool_formats import new_call_id
+from serving.api.tool_formats import CallReader
 
 # string keywords a raw value's grammar can hold; a pattern or a format is a 400 in this format (the JSON formats
 # hold them, as JSON strings)
@@ -46,6 +46,13 @@ def is_raw_string(schema: Any) -> bool:
         return True
     choices = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
     return "type" not in schema and bool(choices) and all(isinstance(c, str) for c in choices)
+
+
+def offered(tools: tuple[dict, ...], name: str | None) -> list[tuple[int, dict, set[str]]]:
+    """(index in the request, tool, its required arguments) for each tool a grammar covers: every one, or the one
+    a named choice forces."""
+    return [(i, tool, set((tool["function"].get("parameters") or {}).get("required") or []))
+            for i, tool in enumerate(tools) if name is None or tool["function"]["name"] == name]
 
 
 def json_part(schema: Any) -> str:
@@ -89,18 +96,12 @@ def read_calls(text: str, tools: dict[str, dict]) -> list[tuple[str, dict]] | No
 
 
 @dataclass
-class XmlCallStream:
+class XmlCallStream(CallReader):
     """Reads calls in this format as they stream and says, per delta, what OpenAI's chunks carry: a call's ``id``
     and ``name`` once ``<function=NAME>`` is complete, then its arguments as JSON text, one fragment per argument
     as each ``</parameter>`` arrives, the closing brace with ``</function>``. The fragments of a call join into the
     very text the whole reply's ``arguments`` has."""
 
-    tools: dict[str, dict]
-    short_ids: bool = False
-    buffer: str = ""
-    calls: int = 0
-    ids: list[str] = field(default_factory=list)
-    _pos: int = 0
     _function: str | None = None
     _arguments: int = 0
 
@@ -113,9 +114,7 @@ class XmlCallStream:
                 if opened is None:
                     return deltas
                 self._function, self._arguments, self._pos = opened[1], 0, opened.end()
-                self.ids.append(new_call_id(self.short_ids))
-                deltas.append({"index": self.calls, "id": self.ids[-1], "type": "function",
-                               "function": {"name": opened[1], "arguments": ""}})
+                deltas.append(self._opening(opened[1]))
                 continue
             found = _NEXT_IN_FUNCTION.search(self.buffer, self._pos)
             if found is None:
@@ -142,10 +141,7 @@ def call_grammar(tools: tuple[dict, ...], name: str | None, parallel: bool,
     bounds, other values held to their schema as JSON; and the grammar's JSON parts with their request paths."""
     rules = [rf'start: call ("\n" call){{0,{max_calls - 1}}}' if parallel else "start: call"]
     functions, parts = [], []
-    for i, tool in enumerate(tools):
-        if name is not None and tool["function"]["name"] != name:
-            continue
-        required = set((tool["function"].get("parameters") or {}).get("required") or [])
+    for i, tool, required in offered(tools, name):
         arguments = []
         for j, (key, schema) in enumerate(parameter_schemas(tool).items()):
             where = f"tools.{i}.function.parameters.properties.{key}"
