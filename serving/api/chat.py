@@ -19,8 +19,8 @@ from serving.api.tool_calls import (
     StreamedChoice,
     ToolPlan,
     fallback_messages,
-    parse_calls,
     plan_tools,
+    split_calls,
     template_messages,
 )
 from serving.api.tool_formats import call_format, template_takes_tools
@@ -113,10 +113,12 @@ class ChatServing(OpenAIServing):
 
 
 def _message(o: RequestOutput, plan: ToolPlan | None) -> dict[str, Any]:
-    """A whole choice's ``message`` and ``finish_reason``: the calls it makes, or its text."""
-    calls = parse_calls(o.text, plan) if plan is not None and o.finish_reason == "stop" else None
+    """A whole choice's ``message`` and ``finish_reason``: the calls it makes (with any text it wrote before them),
+    or its text."""
+    content, calls = split_calls(o.text, plan) if plan is not None and o.finish_reason == "stop" else (o.text, None)
     if calls:
-        return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
+        return {"message": {"role": "assistant", "content": content, "tool_calls": calls},
+                "finish_reason": "tool_calls"}
     return {"message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason}
 
 

@@ -23,7 +23,16 @@ from typing import Any
 
 from serving.api import tool_listing, tool_pythonic, tool_xml
 from serving.api.errors import APIError
-from serving.api.tool_formats import ARRAY_MARKERS, FALLBACK, MISTRAL, PYTHONIC, QWEN_XML, CallReader, new_call_id
+from serving.api.tool_formats import (
+    ARRAY_MARKERS,
+    FALLBACK,
+    HERMES,
+    MISTRAL,
+    PYTHONIC,
+    QWEN_XML,
+    CallReader,
+    new_call_id,
+)
 
 FALLBACK_INSTRUCTIONS = ("You can call these functions. To call one or more, reply with only a JSON array of calls, "
                          'like [{"name": "a_function", "arguments": {"a": 1}}].\nFunctions:\n')
@@ -32,6 +41,8 @@ FALLBACK_INSTRUCTIONS = ("You can call these functions. To call one or more, rep
 CONSTRAINED_HEADER = "Reply with a call to one of these functions:\n"
 # what a reply of calls may open with, besides JSON's [ and {: the tags and markers of the formats that have them
 _CALL_OPENINGS = ("<tool_call>", "<function=", *ARRAY_MARKERS.values())
+# the formats whose calls open with a tag: a reply may say something first ("Let me check.") and call after it
+TAG, TAGGED_FORMATS = "<tool_call>", frozenset({HERMES, QWEN_XML})
 _TAGGED_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
@@ -151,6 +162,18 @@ def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:
     return calls or None
 
 
+def split_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict] | None]:
+    """(content, tool_calls) of a whole reply: the calls it makes, and for the tagged formats the text it wrote
+    before the first ``<tool_call>`` (Qwen3-Coder's template invites reasoning there); (text, None) for a plain
+    answer."""
+    at = text.find(TAG) if plan.fmt in TAGGED_FORMATS else -1
+    if at > 0 and text[:at].strip():
+        calls = parse_calls(text[at:], plan)
+        return (text[:at].rstrip(), calls) if calls else (text, None)
+    calls = parse_calls(text, plan)
+    return (None, calls) if calls else (text, None)
+
+
 def _call(name: str, arguments: Any, plan: ToolPlan) -> dict:
     return {"id": new_call_id(plan.short_ids), "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))}}
@@ -215,12 +238,15 @@ class StreamedChoice:
     ``tool_calls`` deltas. A constrained reply is all calls, read as it comes (``CallStream`` for the JSON formats,
     ``XmlCallStream`` for Qwen3-Coder's, ``PythonicCallStream`` for Llama 4's lists). Under ``auto`` a reply that
     starts like a call (``[``, ``{``, a format's tag or marker) is held until it ends, then sent as calls if it is
-    one, as text if not; any other reply streams as text from its first token."""
+    one, as text if not; any other reply streams as text from its first token. In the tagged formats that text may
+    be followed by calls: from a ``<tool_call>`` on, the reply is held again and sent as calls if it is calls."""
 
     plan: ToolPlan
     calls: CallReader = field(init=False)
     held: str = ""
     streaming_text: bool = False
+    pending: str = ""  # streamed text's tail that may be the start of a tag
+    tagged: str | None = None  # the reply from a tag after text on, held
 
     def __post_init__(self) -> None:
         readers = {QWEN_XML: tool_xml.XmlCallStream, PYTHONIC: tool_pythonic.PythonicCallStream}
@@ -232,8 +258,10 @@ class StreamedChoice:
         if self.plan.constrained:
             deltas = self.calls.feed(text)
             return "", deltas, ("tool_calls" if finish_reason == "stop" and self.calls.calls else reason)
-        if self.plan.choice == "none" or self.streaming_text:
+        if self.plan.choice == "none":
             return text, [], reason
+        if self.streaming_text:
+            return self._text(text, reason)
         self.held += text
         head = self.held.lstrip()
         maybe_call = head[:1] in ("[", "{") or any(opening.startswith(head[:len(opening)])  # it, or a prefix
@@ -242,7 +270,36 @@ class StreamedChoice:
             return "", [], None
         calls = parse_calls(self.held, self.plan) if finish_reason is not None and maybe_call else None
         if calls:
-            deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-            return "", deltas, ("tool_calls" if finish_reason == "stop" else reason)
+            return "", _deltas(calls), ("tool_calls" if finish_reason == "stop" else reason)
         self.streaming_text, held, self.held = True, self.held, ""
-        return held, [], reason
+        return self._text(held, reason)
+
+    def _text(self, text: str, reason: str | None) -> tuple[str, list[dict], str | None]:
+        """Text streams on; in a tagged format, from a ``<tool_call>`` on it is held until the reply ends."""
+        if self.plan.fmt not in TAGGED_FORMATS:
+            return text, [], reason
+        if self.tagged is None:
+            pending, self.pending = self.pending + text, ""
+            at = pending.find(TAG)
+            if at < 0:
+                keep = next((k for k in range(min(len(TAG) - 1, len(pending)), 0, -1)
+                             if TAG.startswith(pending[-k:])), 0) if reason is None else 0
+                self.pending = pending[len(pending) - keep:] if keep else ""
+                return pending[:len(pending) - keep], [], reason
+            self.tagged, text = pending[at:], pending[:at]
+            if reason is None:
+                return text, [], None
+            before = text
+        else:
+            self.tagged += text
+            if reason is None:
+                return "", [], None
+            before = ""
+        calls = parse_calls(self.tagged, self.plan)
+        if calls:
+            return before, _deltas(calls), ("tool_calls" if reason == "stop" else reason)
+        return before + self.tagged, [], reason
+
+
+def _deltas(calls: list[dict]) -> list[dict]:
+    return [{"index": i, **call} for i, call in enumerate(calls)]

@@ -370,3 +370,36 @@ def test_the_pythonic_grammar_writes_every_required_argument_in_order_and_may_le
     for text in ("[f()]", "[f(a=1)]", '[f(b="x", a=1)]', '[f(, b="x")]', '[f(b="long")]', '[f(b="x", c=true)]',
                  '[f(b="x"), f(b="y")]'):  # no b, b missing, out of order, a stray comma, too long, JSON's true,
         assert not accepts(text), text  # two calls where one is allowed
+
+
+@pytest.mark.parametrize("fmt, call", [
+    (QWEN_XML, "<tool_call>\n<function=get_time>\n<parameter=zone>\nutc\n</parameter>\n</function>\n</tool_call>"),
+    (HERMES, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'),
+])
+def test_text_before_a_tagged_call_is_the_content_beside_the_call(fmt, call):
+    """Qwen3-Coder's template invites reasoning before a call: under ``auto`` the reply is the text as ``content``
+    and the call as ``tool_calls``, whole or streamed (the text streams as it comes, the call is held from its
+    tag on)."""
+    from serving.api.tool_calls import StreamedChoice, split_calls
+
+    plan = ToolPlan(tuple(TOOLS), "auto", fmt=fmt)
+    reply = f"Let me check the time.\n{call}"
+    content, calls = split_calls(reply, plan)
+    assert content == "Let me check the time." and [c["function"]["name"] for c in calls] == ["get_time"]
+    if fmt == QWEN_XML:  # a template that did not teach the XML: text
+        assert split_calls(reply, ToolPlan(tuple(TOOLS), "auto")) == (reply, None)
+    for size in (1, 4, 9):
+        reader, text, deltas, reasons = StreamedChoice(plan), "", [], []
+        for i in range(0, len(reply), size):
+            piece, got, reason = reader.feed(reply[i:i + size], "stop" if i + size >= len(reply) else None)
+            text, deltas, reasons = text + piece, deltas + got, reasons + [reason]
+        assert text == "Let me check the time.\n" and reasons[-1] == "tool_calls", (size, text, reasons)
+        assert [json.loads(d["function"]["arguments"]) for d in deltas] == [{"zone": "utc"}]
+    # text that only mentions the tag is text, all of it
+    prose = "Use <tool_call> tags to call a tool, then wait."
+    reader, text = StreamedChoice(plan), ""
+    for i in range(0, len(prose), 5):
+        piece, got, reason = reader.feed(prose[i:i + 5], "stop" if i + 5 >= len(prose) else None)
+        assert not got
+        text += piece
+    assert text == prose and reason == "stop"
