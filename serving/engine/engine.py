@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -211,9 +212,11 @@ class LLMEngine:
     # ----------------------------------------------------------------- batch API
     def generate(self, prompts: Seq[str] | Seq[list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 loras: Seq[str | None] | None = None) -> list[RequestOutput]:
+                 loras: Seq[str | None] | None = None,
+                 on_finished: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Blocking batch generation; returns one finished RequestOutput per prompt, in order. ``loras``: the
-        adapter of each prompt (None: the base)."""
+        adapter of each prompt (None: the base); ``on_finished`` is called with each output as it finishes (a
+        progress bar)."""
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -223,26 +226,35 @@ class LLMEngine:
             raise InvalidRequestError(f"loras: got {len(adapters)} for {len(prompts)} prompts")
         ids = []
         base = f"gen-{time.monotonic_ns()}"
+        done: dict[str, RequestOutput] = {}
         for i, (prompt, p, lora) in enumerate(zip(prompts, plist, adapters)):
             toks = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"{base}-{i}"
             ids.append(rid)
-            self._add_blocking(rid, toks, p, lora)
-        done: dict[str, RequestOutput] = {}
+            self._add_blocking(rid, toks, p, lora, done, on_finished)
         while len(done) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
+            self._collect(self.step(), done, on_finished)
         return [done[r] for r in ids]
 
-    def _add_blocking(self, rid: str, toks: list[int], p: SamplingParams, lora: str | None = None) -> None:
-        """add_request that steps the engine while the queue is full instead of failing."""
+    def _add_blocking(self, rid: str, toks: list[int], p: SamplingParams, lora: str | None,
+                      done: dict[str, RequestOutput], on_finished: Callable[[RequestOutput], None] | None) -> None:
+        """add_request that steps the engine while the queue is full instead of failing; what those steps
+        finish goes into ``done`` (more prompts than ``max_queue`` finish some before the last is queued)."""
         while True:
             try:
                 self.add_request(rid, toks, p, lora=lora)
                 return
             except QueueFullError:
-                self.step()
+                self._collect(self.step(), done, on_finished)
+
+    @staticmethod
+    def _collect(outputs: list[RequestOutput], done: dict[str, RequestOutput],
+                 on_finished: Callable[[RequestOutput], None] | None) -> None:
+        for out in outputs:
+            if out.finished:
+                done[out.request_id] = out
+                if on_finished is not None:
+                    on_finished(out)
 
     def stats(self) -> EngineStats:
         return self.scheduler.make_stats(len(self._inbox), self.num_steps)

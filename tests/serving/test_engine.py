@@ -64,6 +64,15 @@ def test_greedy_matches_hf_generate(tiny_model_dir, prompts, reference, name, cf
         assert st.num_preemptions > 0
 
 
+def test_generate_takes_more_prompts_than_the_queue_holds(tiny_model_dir, prompts, reference):
+    # Queueing the later prompts steps the engine, and those steps finish earlier ones: generate must keep them
+    # (it once dropped them and waited for them forever).
+    engine = LLMEngine.from_pretrained(tiny_model_dir, EngineConfig(num_blocks=256, block_size=4, max_num_seqs=2,
+                                                                   max_queue=2, max_num_batched_tokens=64))
+    outs = engine.generate(prompts * 3, GREEDY)
+    assert [o.token_ids for o in outs] == reference * 3
+
+
 def test_requests_joining_between_steps_match_too(tiny_model_dir, prompts, reference):
     engine = LLMEngine.from_pretrained(tiny_model_dir, EngineConfig(num_blocks=64, block_size=4,
                                                                    max_num_batched_tokens=16))
