@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from artifacts.common.stop_tokens import stop_token_ids
-from training.finetune_stage import StageContext, StageSpec, run_finetune_stage
+from training.engine_rollouts import EngineRollouts, engine_rollouts_trainer, why_not_engine
+from training.finetune_stage import PreparedRecords, StageContext, StageSpec, run_finetune_stage
 from training.heldout_curve import METRIC as HELDOUT_METRIC
 from training.informative_groups import informative_groups_trainer
 from training.lora import keep_adapters_fp32
+from training.ranks import cuda_device_index, rank
 from training.rewards import build_reward_functions
 from training.stage_config import GRPOStageConfig, StageResult, TrainingError
 
@@ -68,10 +70,38 @@ def _build_trainer(ctx: StageContext):
         mask_truncated_completions=False,
     )
     trainer_class = informative_groups_trainer(GRPOTrainer) if cfg.drop_uninformative_groups else GRPOTrainer
+    rollouts = _engine_rollouts(ctx, args)
+    if rollouts is not None:
+        trainer_class = engine_rollouts_trainer(trainer_class, rollouts)
     trainer = trainer_class(model=ctx.model, reward_funcs=funcs, args=args, train_dataset=ctx.dataset,
                             processing_class=ctx.tokenizer)
     keep_adapters_fp32(trainer.model, ctx.hw)
     return trainer
+
+
+def _engine_rollouts(ctx: StageContext, args: Any) -> EngineRollouts | None:
+    """The serving engine that samples this stage's rollouts (training.engine_rollouts), or None for TRL's own
+    generation: asked for, or (``auto``) because the engine cannot hold this policy exactly, which is logged."""
+    cfg: GRPOStageConfig = ctx.config
+    if cfg.rollout_backend == "transformers":
+        return None
+    reason = why_not_engine(cfg, ctx.model)
+    if reason is not None:
+        if cfg.rollout_backend == "engine":
+            raise TrainingError(f"grpo.rollout_backend: engine: {reason}; set it to transformers or auto")
+        log.info("grpo: rollouts sampled by transformers, not the serving engine: %s", reason)
+        return None
+    prompts = [ctx.tokenizer.apply_chat_template(row, add_generation_prompt=True, tokenize=False)
+               for row in ctx.dataset["prompt"]]
+    longest = max(len(ids) for ids in ctx.tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    device = "cpu" if ctx.hw.device == "cpu" else f"cuda:{cuda_device_index()}"
+    per_generation = args.per_device_train_batch_size * (args.steps_per_generation or args.gradient_accumulation_steps)
+    rollouts = EngineRollouts.start(ctx.model_dir, device=device, bf16=ctx.hw.bf16, rank=cfg.lora.r,
+                                    max_seqs=per_generation, longest_prompt=longest,
+                                    max_completion=cfg.max_completion_length, seed=cfg.seed + rank())
+    log.info("grpo: rollouts sampled by the serving engine (%d replies a step, the adapter synced each step)",
+             per_generation)
+    return rollouts
 
 
 def reward_points(history: list[dict[str, Any]], key: str = "reward") -> list[tuple[int, float]]:
@@ -166,8 +196,20 @@ def plot_reward_curve(history: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def _prepare_records(config: GRPOStageConfig, model_dir: Path, records: list[dict[str, Any]], output_dir: Path,
+                     fingerprint: str) -> PreparedRecords:
+    """The prompts GRPO trains on: with ``solved_prompt_draws``, those its input model does not solve yet."""
+    if not config.solved_prompt_draws:
+        return PreparedRecords(records)
+    from training.solved_prompts import SOLVED_FILE, unsolved_prompts
+
+    kept, report = unsolved_prompts(config, model_dir, records, output_dir, fingerprint)
+    return PreparedRecords(kept, report.metrics(), [Path(output_dir) / SOLVED_FILE])
+
+
 GRPO_SPEC = StageSpec(name="grpo", data_file="grpo_train.jsonl", required_columns=("prompt", "answer"),
-                      to_rows=_to_rows, build_trainer=_build_trainer, after_train=_after_train)
+                      to_rows=_to_rows, build_trainer=_build_trainer, after_train=_after_train,
+                      prepare_records=_prepare_records)
 
 
 def run_grpo(config: GRPOStageConfig, model_dir: Path, data_dir: Path, output_dir: Path) -> StageResult:

@@ -72,7 +72,8 @@ def test_grpo_data_without_answers_is_one_clear_error(micro_base_dir, tmp_path):
                                              ({"loss_type": "ppo"}, "loss_type"),
                                              ({"scale_rewards": "std"}, "scale_rewards"),
                                              ({"top_entropy_quantile": 0.0}, "top_entropy_quantile"),
-                                             ({"heldout_curve_every": 0}, "heldout_curve_every")])
+                                             ({"heldout_curve_every": 0}, "heldout_curve_every"),
+                                             ({"rollout_backend": "vllm"}, "rollout_backend")])
 def test_grpo_config_rejects_bad_values(overrides, field):
     with pytest.raises(ValueError, match=field):
         GRPOStageConfig(**overrides)
