@@ -22,6 +22,12 @@ def test_dpo_defaults_are_the_tuned_values_not_the_one_that_erased_refusals():
     assert DPOStageConfig().pairs == tuned["pairs"] == "on_policy"
 
 
+def test_grpo_defaults_are_the_tuned_schedule_and_prompt_filter():
+    tuned = yaml.safe_load(DEFAULT.read_text())["training"]["grpo"]
+    for key in ("learning_rate", "lr_scheduler", "warmup_ratio", "solved_prompt_draws"):
+        assert getattr(GRPOStageConfig(), key) == tuned[key], key
+
+
 def test_every_key_that_matters_is_set_by_the_shipped_recipes():
     for name in ("default.yaml", "drill-broken-refusals.yaml", "smoke.yaml", "smoke-distributed.yaml",
                  "local-model.example.yaml"):
