@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from evals.suite_names import suite_names
 
+GENERATION_BACKENDS = ("auto", "engine", "transformers")  # EvalConfig.generation_backend
+
 
 @dataclass
 class EvalConfig:
@@ -31,6 +33,10 @@ class EvalConfig:
     # grammar: enough to see a broken promise, and two generation passes over every held-out task would cost
     # each of a pipeline's evals more than the suites it has
     structured_examples: int | None = 64
+    # who writes the generation suites' replies (evals.engine_generation): "auto", our serving engine wherever it
+    # loads the model (what is evaluated is what `lifecycle serve` serves), else transformers; "engine";
+    # "transformers"
+    generation_backend: str = "auto"
 
     def __post_init__(self) -> None:
         known = suite_names()
@@ -50,6 +56,9 @@ class EvalConfig:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.batch_size, bool) or self.batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {self.batch_size!r}")
+        if self.generation_backend not in GENERATION_BACKENDS:
+            raise ValueError(f"generation_backend: must be one of {', '.join(GENERATION_BACKENDS)}, got "
+                             f"{self.generation_backend!r}")
         structured = self.structured_examples
         if structured is not None and (isinstance(structured, bool) or structured < 1):
             raise ValueError(f"structured_examples: must be a positive integer or null, got {structured!r}")

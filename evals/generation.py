@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from evals.constrained import SchemaMasks
+from evals.engine_generation import engine_generator
 from evals.errors import EvalError
 from evals.model import LoadedModel
 
@@ -53,9 +54,11 @@ def generate_replies(lm: LoadedModel, prompts: list[str], max_new_tokens: int, b
                      schemas: list[dict[str, Any]] | None = None) -> list[Generation]:
     """Replies to already-templated ``prompts``, stopping at any of the model's eos ids.
 
-    Greedy by default. With ``temperature`` > 0 the replies are sampled from a generator seeded with
-    ``seed`` (forked, so the caller's random state is untouched): the same prompts give the same replies
-    on every run on the same device, which is what lets two models' sampled scores be compared.
+    Greedy by default. With ``temperature`` > 0 the replies are sampled, seeded by ``seed``: the same prompts
+    give the same replies on every run on the same device, which is what lets two models' sampled scores be
+    compared. The serving engine writes them where ``lm.generation_backend`` lets it (evals.engine_generation:
+    each reply from its own seeded generator); otherwise ``transformers`` does, from one generator seeded
+    with ``seed`` (forked, so the caller's random state is untouched).
     With ``schemas`` (one JSON schema per prompt) each reply is constrained to its schema (``evals.constrained``)."""
     if schemas is not None and len(schemas) != len(prompts):
         raise EvalError(f"{len(schemas)} schemas for {len(prompts)} prompts")
@@ -66,6 +69,12 @@ def generate_replies(lm: LoadedModel, prompts: list[str], max_new_tokens: int, b
         raise EvalError(f"{lm.model_dir}: max_new_tokens={max_new_tokens} leaves no room for a prompt "
                         f"in a context of {lm.max_context} tokens")
     encoded = [lm.encode(p)[-budget:] for p in prompts]  # keep the end: it holds the generation prompt
+    engine = engine_generator(lm, batch_size) if schemas is None else None
+    if engine is not None:
+        with tqdm(total=len(prompts), desc=desc, unit="reply") as bar:
+            replies = engine.replies(encoded, max_new_tokens, temperature, seed, on_finished=lambda _: bar.update())
+        special = set(lm.tokenizer.all_special_ids)
+        return [_generation(lm, r.token_ids, r.stopped_on_eos, special) for r in replies]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]), reverse=True)
     config = _generation_config(lm, max_new_tokens, temperature)
     out: list[Generation | None] = [None] * len(prompts)
@@ -100,11 +109,12 @@ def _generate_batches(lm: LoadedModel, encoded: list[list[int]], order: list[int
         for row, i in enumerate(batch):
             tokens = generated[row, width:].tolist()
             stop = next((k for k, t in enumerate(tokens) if t in eos), None)
-            reply = tokens if stop is None else tokens[:stop]
-            out[i] = Generation(
-                text=lm.tokenizer.decode(reply, skip_special_tokens=True),
-                raw=lm.tokenizer.decode(reply, skip_special_tokens=False),
-                stopped_on_eos=stop is not None,
-                n_tokens=len(reply) + (stop is not None),
-                n_special=sum(t in special for t in reply),
-            )
+            out[i] = _generation(lm, tokens if stop is None else tokens[:stop], stop is not None, special)
+
+
+def _generation(lm: LoadedModel, reply: list[int], stopped: bool, special: set[int] | None = None) -> Generation:
+    """A reply's record from its token ids (the stop token left out)."""
+    special = set(lm.tokenizer.all_special_ids) if special is None else special
+    return Generation(text=lm.tokenizer.decode(reply, skip_special_tokens=True),
+                      raw=lm.tokenizer.decode(reply, skip_special_tokens=False), stopped_on_eos=stopped,
+                      n_tokens=len(reply) + stopped, n_special=sum(t in special for t in reply))

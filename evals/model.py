@@ -35,6 +35,12 @@ class LoadedModel:
     eos_ids: list[int]
     pad_id: int
     max_context: int
+    # who writes the generation suites' replies (evals.engine_generation): "transformers" (this model's own
+    # `generate`), "engine" (our serving engine over model_dir) or "auto" (the engine where it loads the model)
+    generation_backend: str = "transformers"
+    adapter_dir: Path | None = None  # the LoRA adapter applied on the model, which the engine puts in a slot
+    engine: Any = None  # the EngineGenerator, started on the first generation
+    engine_refusal: str | None = None  # why the engine could not load the model (auto: transformers instead)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         """The model's own chat template applied to ``messages``, ready for the assistant's turn."""
@@ -68,11 +74,13 @@ def _max_context(model: Any, tokenizer: Any) -> int:
     return _DEFAULT_MAX_CONTEXT
 
 
-def load_model(model_dir: str | Path, device: str | None = None, adapter: str | Path | None = None) -> LoadedModel:
+def load_model(model_dir: str | Path, device: str | None = None, adapter: str | Path | None = None,
+               generation_backend: str = "auto") -> LoadedModel:
     """Load tokenizer and model from ``model_dir``; fp32 on CPU, the checkpoint's dtype on CUDA.
 
     ``adapter``: a LoRA adapter directory (an adapter bundle or a plain PEFT adapter) applied on the model unmerged,
     as a server's adapter slot applies it: what the adapter release form ships is evaluated as it is served.
+    ``generation_backend``: who generates replies (``LoadedModel.generation_backend``; the engine starts lazily).
 
     Raises EvalError if the directory is missing, is not a causal LM, or its tokenizer has no chat
     template (the task suites must prompt the model the way it was trained to be prompted).
@@ -110,7 +118,8 @@ def load_model(model_dir: str | Path, device: str | None = None, adapter: str | 
     eos_ids = _eos_ids(model_dir, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     return LoadedModel(model_dir=model_dir, model=model, tokenizer=tokenizer, device=dev, eos_ids=eos_ids,
-                       pad_id=int(pad_id), max_context=_max_context(model, tokenizer))
+                       pad_id=int(pad_id), max_context=_max_context(model, tokenizer),
+                       generation_backend=generation_backend, adapter_dir=Path(adapter) if adapter else None)
 
 
 def _with_adapter(model: Any, adapter: Path) -> Any:

@@ -38,7 +38,7 @@ def run_evals(model_dir: str | Path, data_dir: str | Path, config: EvalConfig | 
             if not (data_dir / filename).is_file():
                 raise EvalError(f"{data_dir / filename}: data file not found (needed by suite {name!r})")
 
-    lm = load_model(model_dir, device=device, adapter=adapter)
+    lm = load_model(model_dir, device=device, adapter=adapter, generation_backend=config.generation_backend)
     ctx = EvalContext(lm=lm, data_dir=data_dir, config=config)
     prompts = [p for name in config.suites if SUITES[name].prompts for p in SUITES[name].prompts(ctx)]
     if prompts:  # one packed generation pass for every generation suite; they then read the cache
