@@ -100,7 +100,7 @@ def _run_gptqmodel(
         model = GPTQModel.load(str(model_dir), qconfig, device=device, dtype=dtype)
         model.quantize(
             calibration.as_gptqmodel_examples(),
-            batch_size=1,
+            batch_size=min(config.calibration_batch_size, len(calibration.input_ids)),
             backend=backend,
             calibration_data_min_length=1,
         )

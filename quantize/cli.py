@@ -27,6 +27,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--group-size", type=int, default=defaults.group_size)
     p.add_argument("--calibration-samples", type=int, default=defaults.calibration_samples)
     p.add_argument("--calibration-seq-len", type=int, default=defaults.calibration_seq_len)
+    p.add_argument("--calibration-batch-size", type=int, default=defaults.calibration_batch_size,
+                   help="calibration windows per forward pass")
     p.add_argument("--fidelity-samples", type=int, default=defaults.fidelity_samples)
     p.add_argument("--no-gate", action="store_true", help="do not fail when GPTQ does not beat RTN on KL")
     p.set_defaults(func=handle_quantize)
@@ -40,6 +42,7 @@ def config_from_args(args: argparse.Namespace) -> QuantizeConfig:
             group_size=args.group_size,
             calibration_samples=args.calibration_samples,
             calibration_seq_len=args.calibration_seq_len,
+            calibration_batch_size=args.calibration_batch_size,
             fidelity_samples=args.fidelity_samples,
             gate_gptq_beats_rtn=not args.no_gate,
         )

@@ -26,6 +26,7 @@ def test_defaults_are_valid():
         ({"calibration_samples": 0}, "calibration_samples"),
         ({"calibration_seq_len": 4}, "calibration_seq_len"),
         ({"fidelity_samples": -1}, "fidelity_samples"),
+        ({"calibration_batch_size": 0}, "calibration_batch_size"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):
