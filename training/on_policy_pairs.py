@@ -133,7 +133,8 @@ def build_pairs(records: list[dict[str, Any]], samples: list[list[tuple[str, boo
 
 
 def sample_replies(model_dir: Path, prompts: list[list[dict[str, str]]], k: int, temperature: float,
-                   max_new_tokens: int, seed: int, batch_size: int = 64) -> list[list[tuple[str, bool]]]:
+                   max_new_tokens: int, seed: int, batch_size: int = 64,
+                   desc: str = "on-policy draw") -> list[list[tuple[str, bool]]]:
     """``k`` sampled replies per prompt from the model in ``model_dir`` ((text, stopped on eos) each)."""
     from evals.generation import generate_replies
     from evals.model import load_model
@@ -141,7 +142,7 @@ def sample_replies(model_dir: Path, prompts: list[list[dict[str, str]]], k: int,
     lm = load_model(model_dir)
     rendered = [lm.chat_prompt(messages) for messages in prompts]
     # draw j of every prompt comes from one seeded pass, so the draws are the same whatever the batch layout
-    draws = [generate_replies(lm, rendered, max_new_tokens, batch_size, desc=f"on-policy draw {j + 1}/{k}",
+    draws = [generate_replies(lm, rendered, max_new_tokens, batch_size, desc=f"{desc} {j + 1}/{k}",
                               temperature=temperature, seed=seed + j) for j in range(k)]
     return [[(draws[j][i].text, draws[j][i].stopped_on_eos) for j in range(k)] for i in range(len(prompts))]
 

@@ -194,6 +194,9 @@ class GRPOStageConfig(_StageBase):
     # Skip the policy's backward pass on groups whose replies all scored the same (all right or all wrong):
     # zero advantage, no signal (DAPO's dynamic sampling; training.informative_groups says why it pays).
     drop_uninformative_groups: bool = True
+    # ... but keep the safety prompts' groups in the loss even then (β > 0): their KL term is what holds the
+    # refusals while the task updates move the policy (training.informative_groups)
+    anchor_safety_groups: bool = True
     heldout_curve_every: int = 20
     # Who samples the rollouts: "engine", our serving engine with the live adapter synced into a LoRA slot every
     # step (training.engine_rollouts: 2.4-3x faster sampling on the embedded model); "transformers", TRL's own

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.informative_groups import informative_rows, select_rows
+from training.informative_groups import anchor_groups, informative_rows, select_rows
 
 
 def test_only_groups_whose_replies_scored_differently_are_kept():
@@ -18,6 +18,16 @@ def test_only_groups_whose_replies_scored_differently_are_kept():
 def test_an_all_solved_batch_keeps_its_first_group():
     advantages = torch.tensor([1.19e-3] * 3 + [0.0] * 3)
     assert informative_rows(advantages, group_size=3).tolist() == [True] * 3 + [False] * 3
+
+
+def test_safety_groups_stay_as_anchors_even_when_every_reply_was_right():
+    # a solved sum, a solved safety prompt, a mixed sum: the safety group stays for its KL term
+    rows = [{"task": "addition"}] * 2 + [{"task": "safety"}] * 2 + [{"task": "addition"}] * 2
+    advantages = torch.tensor([1.19e-3] * 2 + [1.19e-3] * 2 + [0.7, -0.7])
+    anchors = anchor_groups(rows, group_size=2)
+    assert anchors.tolist() == [False, True, False]
+    assert informative_rows(advantages, 2, anchors).tolist() == [False, False, True, True, True, True]
+    assert informative_rows(advantages, 2).tolist() == [False, False, False, False, True, True]
 
 
 def test_select_rows_cuts_every_per_row_field_and_leaves_the_rest():

@@ -35,6 +35,9 @@ def test_only_a_prompt_right_in_every_finished_draw_is_set_aside():
     kept, _ = split_solved(records, wrong_everywhere, [judge_for({**r, "chosen": "", "rejected": ""})
                                                        for r in records], temperature=0.5)
     assert kept == [0, 1, 2, 3]  # never solved: every prompt stays
+    judges = [judge_for({**r, "chosen": "", "rejected": ""}) for r in records]
+    kept, report = split_solved(records, samples, judges, temperature=0.5, keep_kinds=("safety",))
+    assert kept == [1, 2, 3] and report.anchors == 1 and report.solved == {"task": 1}  # a solved refusal stays
 
 
 def test_the_stage_draws_once_writes_what_it_kept_and_trains_on_it(micro_base_dir, micro_data_dir, tmp_path):
