@@ -23,6 +23,16 @@ PROMPTS = ["The quick brown fox", "Hello world", "Once upon a time", "What is 2 
            "def add(a, b):", "Grüße aus München", "The park was", "Numbers: 1, 2, 3,"]
 
 
+def assert_greedy_under(engine: LLMEngine, prompt: list[int], reply: list[int], tie: float = 1e-3) -> None:
+    """Each token of ``reply`` is ``engine``'s greedy choice after the tokens before it, or scores within
+    ``tie`` nats of that choice (a tie that float rounding may break either way)."""
+    [scored] = engine.generate([prompt + reply], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    for position, record in enumerate(scored.prompt_logprobs[len(prompt):]):
+        chosen = record[reply[position]]
+        best = max(record.values())
+        assert chosen >= best - tie, (position, reply[position], record)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_quantized_checkpoint_takes_the_fast_path_with_the_quantized_models_replies(real_quantized_dirs, method):
     model_dir = real_quantized_dirs[method]
@@ -41,11 +51,17 @@ def test_quantized_checkpoint_takes_the_fast_path_with_the_quantized_models_repl
                       if isinstance(m, torch.nn.Linear)]
         assert hf_weights and all(w.numel() == 0 for w in hf_weights)  # the fp32 copies are gone
     expected = [o.token_ids for o in through_hf.generate(PROMPTS, params)]
-    served = [o.token_ids for o in fast.generate(PROMPTS, params)]
-    # from the codes, the same replies as from fp32 copies of the dequantized weights: the same values, in fp32
+    outputs = fast.generate(PROMPTS, params)
+    served = [o.token_ids for o in outputs]
+    # from the codes, the replies of fp32 copies of the dequantized weights: the same values, in fp32, summed in
+    # another order, so a near-tie may break the other way (CI saw one at token 15 of 128) and the check is
+    # teacher-forced: every token the codes chose is the fp32 model's argmax, or within float noise of it
     dequantized = LLMEngine.from_pretrained(model_dir, EngineConfig(num_blocks=64, block_size=8, dequantize=True))
     assert not any(isinstance(p, Int4Linear) for p in dequantized.runner.compact.projections)
-    assert [o.token_ids for o in dequantized.generate(PROMPTS, params)] == served
+    for o in outputs:
+        assert_greedy_under(dequantized, o.prompt_token_ids, o.token_ids)
+    assert sum(a == b for d, s in zip(dequantized.generate(PROMPTS, params), served)
+               for a, b in zip(d.token_ids, s)) >= 0.95 * sum(map(len, served))
     # gptqmodel's CPU kernels compute in bf16 (how depends on the CPU's bf16 support), the fast path in fp32 on
     # the same 4-bit values: nearly all greedy tokens agree
     agree = sum(a == b for e, s in zip(expected, served) for a, b in zip(e, s))
