@@ -69,7 +69,8 @@ def _build_trainer(ctx: StageContext):
         log_completions=False,
         mask_truncated_completions=False,
     )
-    trainer_class = informative_groups_trainer(GRPOTrainer, cfg.anchor_safety_groups) \
+    trainer_class = informative_groups_trainer(GRPOTrainer, cfg.anchor_safety_groups,
+                                               cfg.safety_anchor_advantage) \
         if cfg.drop_uninformative_groups else GRPOTrainer
     rollouts = _engine_rollouts(ctx, args)
     if rollouts is not None:
@@ -106,7 +107,10 @@ def _engine_rollouts(ctx: StageContext, args: Any) -> EngineRollouts | None:
 
 
 def reward_points(history: list[dict[str, Any]], key: str = "reward") -> list[tuple[int, float]]:
-    return [(int(row["step"]), float(row[key])) for row in history if key in row and "step" in row]
+    """(step, value) of every logged step; a step where the reward applied to no reply (TRL logs None: a step of
+    safety prompts only has no correctness) is left out."""
+    return [(int(row["step"]), float(row[key])) for row in history
+            if row.get(key) is not None and "step" in row]
 
 
 def _thirds(points: list[tuple[int, float]]) -> tuple[float, float]:
