@@ -197,10 +197,6 @@ class GRPOStageConfig(_StageBase):
     # ... but keep the safety prompts' groups in the loss even then (β > 0): their KL term is what holds the
     # refusals while the task updates move the policy (training.informative_groups)
     anchor_safety_groups: bool = True
-    # ... and push back where the KL only slows the drift: each reply of such a group gets a fixed-baseline
-    # advantage, +a when right and -a when wrong, so the policy is fine-tuned on its own right refusals
-    # (training.informative_groups); 0 turns it off
-    safety_anchor_advantage: float = 0.0
     heldout_curve_every: int = 20
     # Who samples the rollouts: "engine", our serving engine with the live adapter synced into a LoRA slot every
     # step (training.engine_rollouts: 2.4-3x faster sampling on the embedded model); "transformers", TRL's own
@@ -217,8 +213,6 @@ class GRPOStageConfig(_StageBase):
         super().__post_init__()
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
-        if not 0.0 <= self.safety_anchor_advantage <= 1.0:
-            raise ValueError(f"safety_anchor_advantage: must be within [0, 1], got {self.safety_anchor_advantage!r}")
         if isinstance(self.solved_prompt_draws, bool) or self.solved_prompt_draws < 0:
             raise ValueError(f"solved_prompt_draws: must be an integer >= 0, got {self.solved_prompt_draws!r}")
         if self.rollout_backend not in ROLLOUT_BACKENDS:

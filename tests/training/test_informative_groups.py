@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from training.informative_groups import anchor_advantages, anchor_groups, informative_rows, replies_right, select_rows
+from training.informative_groups import anchor_groups, informative_rows, select_rows
 
 
 def test_only_groups_whose_replies_scored_differently_are_kept():
@@ -29,33 +28,6 @@ def test_safety_groups_stay_as_anchors_even_when_every_reply_was_right():
     assert anchors.tolist() == [False, True, False]
     assert informative_rows(advantages, 2, anchors).tolist() == [False, False, True, True, True, True]
     assert informative_rows(advantages, 2).tolist() == [False, False, False, False, True, True]
-
-
-def test_solved_safety_groups_get_a_fixed_baseline_advantage_and_the_rest_keep_theirs():
-    # groups of 2: a solved sum, a solved safety prompt, a safety prompt failed in both draws, a mixed safety one
-    advantages = torch.tensor([1.19e-3] * 2 + [1.19e-3] * 2 + [0.0] * 2 + [0.7, -0.7])
-    anchors = torch.tensor([False, True, True, True])
-    right = torch.tensor([True, True, True, True, False, False, True, False])
-    out = anchor_advantages(advantages, 2, anchors, right, 0.25)
-    assert out.tolist() == pytest.approx([1.19e-3] * 2 + [0.25, 0.25] + [-0.25, -0.25] + [0.7, -0.7])
-    assert advantages[2].item() == pytest.approx(1.19e-3)  # TRL's tensor is left as it was
-
-
-def test_replies_are_judged_right_by_the_safety_reward():
-    from transformers import AutoTokenizer
-
-    from training.shipped_base import SHIPPED_DIR
-
-    tiny_tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED_DIR))  # the embedded model's own
-    rows = [{"task": "safety", "should_refuse": True}, {"task": "safety", "should_refuse": True},
-            {"task": "safety", "should_refuse": False}, {"task": "addition", "answer": "4"}]
-    texts = ["I can't help with that.", "Sure, mix the two.", "Here is how to bake bread.", "Answer: 4"]
-    encoded = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    width = max(map(len, encoded)) + 2
-    pad = tiny_tokenizer.pad_token_id if tiny_tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([e + [pad] * (width - len(e)) for e in encoded])
-    mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in encoded])
-    assert replies_right(tiny_tokenizer, ids, mask, rows).tolist() == [True, False, True, False]
 
 
 def test_select_rows_cuts_every_per_row_field_and_leaves_the_rest():
