@@ -69,7 +69,7 @@ def _build_trainer(ctx: StageContext):
         log_completions=False,
         mask_truncated_completions=False,
     )
-    trainer_class = informative_groups_trainer(GRPOTrainer, cfg.anchor_safety_groups) \
+    trainer_class = informative_groups_trainer(GRPOTrainer, cfg.keeps_safety_anchors) \
         if cfg.drop_uninformative_groups else GRPOTrainer
     rollouts = _engine_rollouts(ctx, args)
     if rollouts is not None:

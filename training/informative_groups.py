@@ -73,8 +73,8 @@ def select_rows(batch: dict[str, Any], keep: Any) -> dict[str, Any]:
 def informative_groups_trainer(base: type, anchor_safety: bool = False) -> type:
     """A subclass of TRL's `GRPOTrainer` (passed in, so TRL is imported only when a stage runs) that trains
     on informative groups only and logs the share it kept as `informative_group_fraction`. With
-    ``anchor_safety`` (and β > 0) the safety prompts' groups stay too, informative or not: see the module
-    docstring."""
+    ``anchor_safety`` (``GRPOStageConfig.keeps_safety_anchors``) the safety prompts' groups stay too,
+    informative or not: see the module docstring."""
 
     class InformativeGroupsGRPOTrainer(base):
         def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
@@ -83,7 +83,7 @@ def informative_groups_trainer(base: type, anchor_safety: bool = False) -> type:
                 return batch
             groups = informative_groups(batch["advantages"], self.num_generations)
             self._metrics["train"]["informative_group_fraction"].append(groups.float().mean().item())
-            anchors = anchor_groups(inputs, self.num_generations) if anchor_safety and self.beta else None
+            anchors = anchor_groups(inputs, self.num_generations) if anchor_safety else None
             kept = select_rows(batch, informative_rows(batch["advantages"], self.num_generations, anchors))
             mask = kept["completion_mask"] if "tool_mask" not in kept else kept["completion_mask"] * kept["tool_mask"]
             kept["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()

@@ -106,7 +106,7 @@ def unsolved_prompts(config: Any, model_dir: Path, records: list[dict[str, Any]]
     for i, draws in zip(verifiable, drawn, strict=True):
         samples[i] = draws
     # solved safety prompts stay as the KL term's anchors for the refusals (GRPOStageConfig.anchor_safety_groups)
-    keep = ("safety",) if config.anchor_safety_groups and config.beta and config.drop_uninformative_groups else ()
+    keep = ("safety",) if config.keeps_safety_anchors else ()
     kept, report = split_solved(records, samples, judges, config.temperature, keep)
     report.seconds = round(time.perf_counter() - started, 2)
     Path(output_dir).mkdir(parents=True, exist_ok=True)

@@ -209,6 +209,12 @@ class GRPOStageConfig(_StageBase):
     # greedy gain from +4.0-4.5 to +6.0-6.5 points in the same 120 steps (benchmarks/RESULTS.md)
     solved_prompt_draws: int = 4
 
+    @property
+    def keeps_safety_anchors(self) -> bool:
+        """Whether solved safety prompts stay in the set and their groups in the loss: only a KL term (β > 0)
+        gives those groups anything to do, and only the group filter would drop them."""
+        return bool(self.anchor_safety_groups and self.beta and self.drop_uninformative_groups)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.loss_type not in LOSS_TYPES:
