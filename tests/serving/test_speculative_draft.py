@@ -285,7 +285,8 @@ def test_preemption_and_a_chunked_catch_up_change_no_token(plain, micro_base_dir
     """A target cache too small for four sequences preempts some (their draft state is dropped and rebuilt),
     and a step budget of 16 tokens makes the draft catch up on a long prompt over several steps."""
     want = plain.generate(PROMPTS[:4], GREEDY)
-    spec = _engine(micro_base_dir, draft=micro_1layer_dir, lookup=lookup, num_blocks=16, max_num_batched_tokens=16)
+    spec = _pass_cost_fixed(_engine(micro_base_dir, draft=micro_1layer_dir, lookup=lookup, num_blocks=16,
+                                    max_num_batched_tokens=16))
     got = spec.generate(PROMPTS[:4], GREEDY)
     assert spec.scheduler.num_preemptions > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -297,12 +298,15 @@ def test_a_tiny_draft_cache_gives_fewer_guesses_and_the_same_output(plain, small
                                                                       micro_1layer_dir):
     prompts = ["Hello world!", "The quick brown fox", "Once upon a time"]
     want = plain.generate(prompts, GREEDY)
-    roomy = _engine(micro_base_dir, draft=micro_1layer_dir)
+    # both at the same fixed pass cost: the count of guesses is then set by the draft's room alone (with the cost
+    # measured, a loaded host once stopped the roomy one guessing after six steps, 22 guesses against 31)
+    roomy = _pass_cost_fixed(_engine(micro_base_dir, draft=micro_1layer_dir))
     roomy.generate(prompts, GREEDY)
     tiny = _engine(micro_base_dir, draft=micro_1layer_dir)
     # 4 blocks of 8 tokens: room for one or two short contexts, never for all three to the end
     tiny.scheduler.speculator.proposer = DraftModelProposer(micro_1layer_dir, tiny.config, tiny.runner.vocab_size,
                                                             tiny.tokenizer, num_blocks=4)
+    _pass_cost_fixed(tiny)
     got = tiny.generate(prompts, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.finish_reason == "length" for o in got)
@@ -314,7 +318,7 @@ def test_a_tiny_draft_cache_gives_fewer_guesses_and_the_same_output(plain, small
 def test_a_failing_draft_costs_guesses_never_a_request(plain, micro_base_dir, micro_1layer_dir, lookup):
     prompts = PROMPTS[:3]
     want = plain.generate(prompts, GREEDY)
-    spec = _engine(micro_base_dir, draft=micro_1layer_dir, lookup=lookup)
+    spec = _pass_cost_fixed(_engine(micro_base_dir, draft=micro_1layer_dir, lookup=lookup))
     runner = getattr(spec.proposer, "draft", spec.proposer).runner
     real_execute = runner.execute
     faults = []
