@@ -27,6 +27,7 @@ from flows.prefect_artifacts import publish_artifacts
 from flows.ray_runner import stage_runner
 from flows.recipe import load_recipe
 from flows.report import PipelineReport, draft_note, quantized_table, stage_change_note
+from flows.schedule import current_run_skip_reason
 from flows.stage_runner import StageOutput, console
 from flows.stage_tasks import (
     PipelineContext,
@@ -74,6 +75,10 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
 
     quiet_logs.install()  # also when a worker, not `lifecycle run`, started this run
     stop_signals.reclaim()  # `lifecycle run`, not Prefect's engine, decides how a stopped run ends (run_stop.py)
+    skipped = current_run_skip_reason()
+    if skipped:
+        console.print(f"[yellow]- {skipped}[/]", highlight=False)
+        return {"skipped": skipped}
     started = time.perf_counter()
     recipe = load_recipe(recipe_path)
     workdir = resolve_workdir(recipe.workdir)
