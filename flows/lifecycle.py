@@ -75,9 +75,8 @@ def lifecycle(recipe_path: str) -> dict[str, Any]:
 
     quiet_logs.install()  # also when a worker, not `lifecycle run`, started this run
     stop_signals.reclaim()  # `lifecycle run`, not Prefect's engine, decides how a stopped run ends (run_stop.py)
-    skipped = current_run_skip_reason()
+    skipped = _skipped_by_a_pause()
     if skipped:
-        console.print(f"[yellow]- {skipped}[/]", highlight=False)
         return {"skipped": skipped}
     started = time.perf_counter()
     recipe = load_recipe(recipe_path)
@@ -184,6 +183,16 @@ def _finish(ctx: PipelineContext, report: PipelineReport, data: StageOutput, rol
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
+# (the flow function itself names only picklable globals: Ray's stage runner ships the flow's context, which holds
+# the flow, by value; a rich Console holds a lock)
+
+def _skipped_by_a_pause() -> str | None:
+    """Say so and return why when this run's schedule is paused (``flows.schedule.current_run_skip_reason``)."""
+    reason = current_run_skip_reason()
+    if reason:
+        console.print(f"[yellow]- {reason}[/]", highlight=False)
+    return reason
+
 
 def _last_run_file(ctx: PipelineContext) -> Path:
     return ctx.workdir.runs / ctx.recipe.name / "last_run.json"

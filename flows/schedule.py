@@ -216,22 +216,23 @@ def skip_reason(auto_scheduled: bool, deployment_paused: bool, deployment_name: 
 
 def current_run_skip_reason() -> str | None:
     """``skip_reason`` for the flow run this process executes; None outside a deployment, or when the server
-    cannot say (the run then goes on, as it would have before the check existed)."""
-    from prefect.runtime import deployment, flow_run
+    cannot say (the run then goes on, as it would have before the check existed). The run's own record comes
+    from the flow's context; only a run its schedule made asks the server about the deployment (not through
+    ``prefect.runtime.deployment``, whose lookup leaves the context unpicklable for Ray's stage tasks)."""
+    from prefect.context import FlowRunContext
 
-    if not deployment.id or not flow_run.id:
+    context = FlowRunContext.get()
+    run = getattr(context, "flow_run", None)
+    if run is None or run.deployment_id is None or not run.auto_scheduled:
         return None
     try:
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
-            run = client.read_flow_run(flow_run.id)
-            if not run.auto_scheduled:
-                return None
-            current = client.read_deployment(deployment.id)
+            current = client.read_deployment(run.deployment_id)
     except Exception:  # noqa: BLE001 - a server hiccup must not stop a scheduled run
         return None
-    return skip_reason(bool(run.auto_scheduled), bool(current.paused), current.name)
+    return skip_reason(True, bool(current.paused), current.name)
 
 
 def delete_schedule(name: str) -> None:
