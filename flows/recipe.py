@@ -90,10 +90,13 @@ class TrafficSection:
     max_tokens: int = 40
     stream_fraction: float = 0.8
     temperature: float = 0.0
+    requests_per_second: float | None = None  # a cap, so each canary step sees the same traffic on any host
 
     def __post_init__(self) -> None:
         if self.users < 1 or self.concurrency < 1 or self.max_tokens < 1:
             raise ValueError("users, concurrency and max_tokens must be >= 1")
+        if self.requests_per_second is not None and not self.requests_per_second > 0:
+            raise ValueError(f"requests_per_second: must be > 0 (or left out), got {self.requests_per_second}")
         if not 0 <= self.stream_fraction <= 1:
             raise ValueError(f"stream_fraction: must be in [0, 1], got {self.stream_fraction}")
 

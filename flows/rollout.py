@@ -207,7 +207,8 @@ def drive_rehearsal(section: RolloutSection, fleet, controller, data_dir: str, m
     t = section.traffic
     traffic = TrafficGenerator(url, fleet.user_key(), TrafficSpec(
         data_dir=data_dir, users=t.users, concurrency=t.concurrency, max_tokens=t.max_tokens,
-        stream_fraction=t.stream_fraction, temperature=t.temperature), model=model).start()
+        stream_fraction=t.stream_fraction, temperature=t.temperature, requests_per_second=t.requests_per_second),
+        model=model).start()
     started = time.perf_counter()
     try:
         # a pipeline run does not wait for a person: a pause ends the stage, the rollout stays resumable

@@ -29,6 +29,9 @@ class TrafficSpec:
     data_dir: str | None = None  # a data-stage output; without one, a few built-in prompts
     users: int = 200  # each a conversation key of its own: enough that a 10% share sees ~20
     concurrency: int = 4
+    # at most this many requests a second, spread evenly over the run (None: as fast as ``concurrency`` allows):
+    # a rollout's steps then see the same traffic on a fast host as on a slow one
+    requests_per_second: float | None = None
     max_requests: int | None = None
     seconds: float | None = None
     stream_fraction: float = 0.8
@@ -100,10 +103,25 @@ class TrafficGenerator:
         async with httpx.AsyncClient(timeout=120, headers=headers) as client:
             async def worker() -> None:
                 while not self._done(started):
+                    await self._wait_for_slot(started)
+                    if self._done(started):
+                        break
                     self.stats.sent += 1
                     await self._one(client, rng)
 
             await asyncio.gather(*(worker() for _ in range(self.spec.concurrency)))
+
+    async def _wait_for_slot(self, started: float) -> None:
+        """Pace to ``requests_per_second``: request n goes out no earlier than n / rate seconds after the start
+        (one event loop, so reading ``sent`` and counting the request happen without a gap between them)."""
+        rate = self.spec.requests_per_second
+        if rate is None:
+            return
+        while not self._stop.is_set():
+            delay = started + self.stats.sent / rate - time.monotonic()
+            if delay <= 0:
+                return
+            await asyncio.sleep(min(delay, 0.5))
 
     async def _one(self, client: httpx.AsyncClient, rng: random.Random) -> None:
         spec = self.spec
