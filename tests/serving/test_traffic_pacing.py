@@ -12,7 +12,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import yaml
 
+from artifacts.errors import ConfigError
+from flows.recipe import load_recipe
 from serving.rollout.traffic import TrafficGenerator, TrafficSpec
 
 
@@ -78,3 +81,12 @@ def test_a_stop_ends_a_paced_run_that_is_waiting_for_its_next_slot(server):
     started = time.monotonic()
     stats = traffic.stop()
     assert time.monotonic() - started < 2 and stats.sent == 1  # the first request; the next is 5 s away
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_a_recipe_cap_that_is_not_positive_is_one_line_naming_it(tmp_path, value):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"rollout": {"traffic": {"requests_per_second": value}}}))
+    with pytest.raises(ConfigError, match=f"rollout.traffic: requests_per_second: must be > 0 .*got {value}") as caught:
+        load_recipe(path)
+    assert str(caught.value).startswith(str(path)) and "\n" not in str(caught.value)
