@@ -18,10 +18,12 @@ from serving.api.sse import TokenIdsOut
 from serving.api.tool_calls import (
     StreamedChoice,
     ToolPlan,
+    check_tool_results_reach_the_prompt,
     fallback_messages,
     plan_tools,
     split_calls,
     template_messages,
+    without_calls,
 )
 from serving.api.tool_formats import call_format, template_takes_tools
 from serving.api.tool_grammar import call_grammar
@@ -58,18 +60,29 @@ class ChatServing(OpenAIServing):
             raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
         messages = [{**_tool_fields(m, i), "role": m.role, "content": _text_of(m.content, f"messages.{i}.content")}
                     for i, m in enumerate(req.messages)]
-        tools = None
-        if plan is not None and template_takes_tools(tok):
-            messages, tools = template_messages(messages), [dict(t) for t in plan.tools]
+        text = self._render(req, messages, plan)
+        check_tool_results_reach_the_prompt(messages, text)
+        called = [i for i, m in enumerate(messages) if m.get("tool_calls")]
+        if called and self._render(req, without_calls(messages), plan) == text:
+            raise APIError(400, f"messages.{called[0]}.tool_calls: this model's chat template leaves earlier tool "
+                                "calls out of the prompt, so the model would not see what it called",
+                           param=f"messages.{called[0]}.tool_calls")
+        return tok.encode(text, add_special_tokens=False)
+
+    def _render(self, req: ChatCompletionRequest, messages: list[dict], plan: ToolPlan | None) -> str:
+        """The prompt's text: the conversation, tools and earlier calls written as the chat template reads them."""
+        tok = self.tok
+        tools = [dict(t) for t in plan.tools] if plan is not None else None
+        if template_takes_tools(tok):  # earlier calls and results as the template reads them, tools sent or not
+            messages = template_messages(messages, tok.chat_template, call_format(tok))
         elif plan is not None:
             messages = fallback_messages(messages, plan)
         try:
-            text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+            return tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt,
                                            continue_final_message=req.continue_final_message)
         except Exception as e:  # template errors come from user content (jinja raise_exception)
             raise APIError(400, f"messages: chat template failed: {e}", param="messages") from e
-        return tok.encode(text, add_special_tokens=False)
 
     def _logprobs(self, token_ids: list[int], recs: list[dict[int, float]] | None, top: int) -> dict[str, Any] | None:
         if recs is None:

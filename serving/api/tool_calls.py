@@ -43,6 +43,8 @@ CONSTRAINED_HEADER = "Reply with a call to one of these functions:\n"
 _CALL_OPENINGS = ("<tool_call>", "<function=", *ARRAY_MARKERS.values())
 # the formats whose calls open with a tag: a reply may say something first ("Let me check.") and call after it
 TAG, TAGGED_FORMATS = "<tool_call>", frozenset({HERMES, QWEN_XML})
+# the roles Granite 3.0's templates read an earlier call and a tool's result under (``template_messages``)
+GRANITE_CALL_ROLE, GRANITE_RESULT_ROLE = "assistant_tool_call", "tool_response"
 _TAGGED_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
@@ -108,15 +110,58 @@ def fallback_messages(messages: list[dict], plan: ToolPlan) -> list[dict]:
     return out
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
-    """The conversation for a template that takes tools: call arguments as objects (what HF templates expect)."""
+def template_messages(messages: list[dict], template: str = "", fmt: str = FALLBACK) -> list[dict]:
+    """The conversation for a template that takes tools: call arguments as objects (what HF templates expect).
+
+    Granite's templates do not read OpenAI's ``tool_calls``, and would write an earlier call as an empty assistant
+    turn. Granite 3.0's read calls and results under roles of their own: an ``assistant_tool_call`` turn whose
+    content is the calls' JSON array, a ``tool_response`` turn (given OpenAI's ``tool`` they leave the result out).
+    Granite 3.1-3.3's write every turn's content: the calls go there, after their marker, as the model writes them."""
+    own_roles = GRANITE_CALL_ROLE in template and GRANITE_RESULT_ROLE in template
+    calls_as_text = fmt in ARRAY_MARKERS and "tool_calls" not in template
     out = []
     for m in messages:
-        if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c)}}
-                                     for c in m["tool_calls"]]}
-        out.append(m)
+        if m.get("tool_calls") and (own_roles or calls_as_text):
+            array = json.dumps([{"name": c["function"]["name"], "arguments": _arguments(c)} for c in m["tool_calls"]])
+            if own_roles:
+                out += [{"role": "assistant", "content": m["content"]}] if m.get("content") else []
+                out.append({"role": GRANITE_CALL_ROLE, "content": array})
+            else:
+                out.append({"role": "assistant", "content": f"{m.get('content') or ''}{ARRAY_MARKERS[fmt]}{array}"})
+        elif m.get("tool_calls"):
+            out.append({**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c)}}
+                                            for c in m["tool_calls"]]})
+        elif m["role"] == "tool" and own_roles:
+            out.append({"role": GRANITE_RESULT_ROLE, "content": m["content"]})
+        else:
+            out.append(m)
     return out
+
+
+def _written_forms(text: str) -> set[str]:
+    """``text`` as a template may write it: as is, or as a JSON string (ASCII-escaped or not, quotes or not)."""
+    forms = {text}
+    for ascii_only in (True, False):
+        quoted = json.dumps(text, ensure_ascii=ascii_only)
+        forms |= {quoted, quoted[1:-1]}
+    return forms
+
+
+def check_tool_results_reach_the_prompt(messages: list[dict], prompt: str) -> None:
+    """A 400 where the chat template left a tool's result out of the prompt: a template that does not know
+    OpenAI's ``tool`` role drops it without a word, and the model would answer as if the tool never ran."""
+    for i, m in enumerate(messages):
+        if m["role"] != "tool" or not m.get("content"):
+            continue
+        if not any(form in prompt for form in _written_forms(m["content"])):
+            raise APIError(400, f"messages.{i}: this model's chat template leaves messages of role `tool` out of "
+                                "the prompt, so the tool's result would never reach the model", param=f"messages.{i}")
+
+
+def without_calls(messages: list[dict]) -> list[dict]:
+    """The conversation with every earlier call taken out (their turns' text kept): a template whose prompt is the
+    same without them never showed them to the model."""
+    return [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
 
 
 def _arguments(call: dict) -> Any:
