@@ -63,11 +63,20 @@ class ChatServing(OpenAIServing):
         text = self._render(req, messages, plan)
         check_tool_results_reach_the_prompt(messages, text)
         called = [i for i, m in enumerate(messages) if m.get("tool_calls")]
-        if called and self._render(req, without_calls(messages), plan) == text:
+        if called and self._calls_left_out(req, messages, plan, text):
             raise APIError(400, f"messages.{called[0]}.tool_calls: this model's chat template leaves earlier tool "
                                 "calls out of the prompt, so the model would not see what it called",
                            param=f"messages.{called[0]}.tool_calls")
         return tok.encode(text, add_special_tokens=False)
+
+    def _calls_left_out(self, req: ChatCompletionRequest, messages: list[dict], plan: ToolPlan | None,
+                        text: str) -> bool:
+        """Whether the prompt is the same with the earlier calls taken out: then the template never showed them.
+        A template that refuses the conversation without them (a result with no call before it) reads them."""
+        try:
+            return self._render(req, without_calls(messages), plan) == text
+        except APIError:
+            return False
 
     def _render(self, req: ChatCompletionRequest, messages: list[dict], plan: ToolPlan | None) -> str:
         """The prompt's text: the conversation, tools and earlier calls written as the chat template reads them."""

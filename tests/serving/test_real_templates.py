@@ -97,3 +97,21 @@ def test_a_template_that_leaves_a_tool_turn_out_is_a_400_naming_the_message(tmp_
         fine = httpx.post(f"{base}/v1/chat/completions", timeout=60,
                           json={"model": "micro", "messages": QUESTION, "tools": TOOLS, "max_tokens": 2})
         assert fine.status_code == 200 and fine.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_template_that_refuses_a_result_without_its_call_is_not_taken_for_one_that_drops_calls(tmp_path_factory):
+    """The server checks that calls reach the prompt by rendering the conversation without them; a template that
+    then refuses it (a result with no call before it) reads the calls, and the request is served."""
+    template = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}{% set ns = namespace(called=false) %}"
+                "{% for m in messages %}{% if m.tool_calls %}{% set ns.called = true %}"
+                "<|call|>{{ m.tool_calls[0].function.name }}<|end|>\n"
+                "{% elif m.role == 'tool' and not ns.called %}{{ raise_exception('a result needs its call') }}"
+                "{% else %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
+    turn = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    with _serve(tmp_path_factory, "strict-template", template) as (base, _engine):
+        served = httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                            json={"model": "micro", "messages": turn, "tools": TOOLS, "max_tokens": 2})
+        assert served.status_code == 200, served.text
