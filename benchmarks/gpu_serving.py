@@ -10,6 +10,10 @@ before the HF baselines, HTTP and 4-bit; its other variants run last):
 1. ``facts``: the device, the library versions, and the measured device-to-device copy bandwidth (bytes read plus
    written, median of repeats timed with CUDA events); with the model's weight bytes it gives the HBM floor, the
    ms per decode step that streaming the weights once costs.
+   ``gemv`` (right after, no model needed): the batch-1 projections of the model's shapes (fused QKV, O, fused
+   gate-up, down, the head), cuBLAS's ``F.linear`` against our Triton GEMV (``serving.engine.triton_gemv``): µs a
+   call, weight bytes read a second against the copy bandwidth, the error against fp32, and the sum over one decode
+   step's projections. The engine variant ``ours-triton-gemv`` (batch 1 only) serves with it.
 2. ``model``: a random-init Llama-3-shaped model (``--shape 1b``: hidden 2048, 16 layers, 32/8 heads, intermediate
    8192, vocab 32000, untied head; ``tiny`` for CPU) initialised on the device and saved as a HF dir under
    ``--work`` (never under ``--out``: that comes back over the wire). It has no tokenizer: the engine, HF and the
@@ -48,6 +52,7 @@ before the HF baselines, HTTP and 4-bit; its other variants run last):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -69,12 +74,16 @@ if __name__ == "__main__" and not __package__:
 
 from benchmarks.stream_load import make_prompts, make_shapes  # noqa: E402
 
-SECTIONS = ("facts", "model", "engine", "hf", "http", "gptq", "profile")
+SECTIONS = ("facts", "gemv", "model", "engine", "hf", "http", "gptq", "profile")
 VARIANTS: dict[str, dict[str, Any]] = {
     "ours": {},
     "ours-eager": {"enforce_eager": True},
     "ours-torch": {"attention_backend": "torch", "enforce_eager": True},
+    "ours-triton-gemv": {},
 }
+# what a variant sets in the environment while its engine loads, and the batches it runs (default: the plan's)
+VARIANT_ENV: dict[str, dict[str, str]] = {"ours-triton-gemv": {"LLM_LIFECYCLE_GPU_GEMV": "triton"}}
+VARIANT_BATCHES: dict[str, list[int]] = {"ours-triton-gemv": [1]}  # more rows stay on cuBLAS
 HF_BATCH_ORDER = (64, 256, 1, 16)  # the batches the goals compare with HF first: a short budget keeps them
 RESULTS_NAME = "gpu_serving.json"
 SERVER_PID_NAME = "http_server.pid"  # under --work: gpu_check.sh stops a server this process could not
@@ -134,7 +143,8 @@ def default_plan(device: str, shape: str) -> Plan:
                     hf_compile=device == "cuda")
     gpu = device == "cuda"
     # what one unit costs: a section, an engine variant, an HF batch, a compile (measured ones replace the guess)
-    plan.needs = {"facts": 10 if gpu else 2, "model": 30 if gpu else 5, "engine": 40 if gpu else 8,
+    plan.needs = {"facts": 10 if gpu else 2, "gemv": 15 if gpu else 5, "model": 30 if gpu else 5,
+                  "engine": 40 if gpu else 8,
                   "hf": 20 if gpu else 4, "hf_compile": 90 if gpu else 60, "http": 45 if gpu else 25,
                   "gptq": 45 if gpu else 10, "profile": 8 if gpu else 2}
     return plan
@@ -295,6 +305,66 @@ def device_facts(device: str) -> dict[str, Any]:
     return facts
 
 
+# ----------------------------------------------------------------------------- 1b. gemv
+def projection_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """[N, K] of each projection a decode step runs, fused as the engine fuses them."""
+    head = shape.hidden // shape.heads
+    return {"qkv": ((shape.heads + 2 * shape.kv_heads) * head, shape.hidden), "o": (shape.hidden, shape.hidden),
+            "gate_up": (2 * shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate),
+            "lm_head": (shape.vocab, shape.hidden)}
+
+
+def time_call(fn: Callable[[], Any], device: str, reps: int) -> float:
+    """Microseconds one call takes, over ``reps`` calls back to back (CUDA events on a GPU)."""
+    import torch
+
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / reps
+
+
+def measure_gemv(report: Report, device: str, shape: ModelShape, copy_gbs: float | None) -> None:
+    """Section ``gemv``: cuBLAS against the Triton GEMV on each projection at one row (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from serving.engine.triton_gemv import dense_gemv
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    reps = 200 if device == "cuda" else 2
+    gen = torch.Generator(device=device).manual_seed(0)
+    step = {"cublas": 0.0, "triton": 0.0}
+    for name, (n, k) in projection_shapes(shape).items():
+        w = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(dtype)
+        x = torch.randn(1, k, device=device, generator=gen).to(dtype)
+        ref = F.linear(x.float(), w.float())
+        nbytes = w.numel() * w.element_size()
+        row: dict[str, Any] = {"projection": name, "n": n, "k": k, "weight_mb": round(nbytes / 1e6, 2)}
+        for impl, gemv in (("cublas", F.linear), ("triton", dense_gemv)):
+            fn = functools.partial(gemv, x, w)
+            out = fn()  # compiles the kernel for this shape before it is timed
+            row[f"{impl}_rel_err"] = float(f"{((out.float() - ref).abs().max() / ref.abs().max()).item():.2e}")
+            us = time_call(fn, device, reps)
+            row[f"{impl}_us"], row[f"{impl}_gbs"] = round(us, 2), round(nbytes / us / 1e3, 1)
+            if copy_gbs:
+                row[f"{impl}_of_copy"] = round(nbytes / us / 1e3 / copy_gbs, 3)
+            step[impl] += us * (1 if name == "lm_head" else shape.layers)
+        row["triton_over_cublas"] = round(row["triton_us"] / row["cublas_us"], 3)
+        report.row("gemv", row)
+    report.row("gemv", {"projection": "one decode step", "cublas_us": round(step["cublas"], 1),
+                        "triton_us": round(step["triton"], 1),
+                        "triton_over_cublas": round(step["triton"] / step["cublas"], 3)})
+
+
 # ----------------------------------------------------------------------------- 2. model
 def build_model(shape: ModelShape, device: str, out: Path) -> dict[str, Any]:
     """A random-init Llama of ``shape`` (bf16 on a GPU, fp32 on CPU), initialised on the device (a 1B init on the
@@ -429,12 +499,16 @@ def measure_engine(report: Report, budget: Budget, plan: Plan, device: str, mode
             report.skip_row("engine", name, f"budget: {budget.left():.0f} s left")
             continue
         engine = None
+        env = VARIANT_ENV.get(name, {})
+        saved = {key: os.environ.get(key) for key in env}
         try:
             t0 = time.monotonic()
+            os.environ.update(env)  # read while the engine loads (which GEMM each projection runs)
             engine = LLMEngine.from_pretrained(model_dir, engine_config(device, plan, max_seqs, VARIANTS[name]))
             load = {"load_s": round(time.monotonic() - t0, 2)}
             run_batch(engine, batch_prompts(plan, vocab, min(4, max_seqs), seed=990), 4, device, f"{name}-warm")
-            for batch in plan.batches if "engine" in selected else []:
+            batches = [b for b in plan.batches if b in VARIANT_BATCHES.get(name, plan.batches)]
+            for batch in batches if "engine" in selected else []:
                 if budget.left() < 5:
                     report.skip_row("engine", f"{name} batch {batch}", f"budget: {budget.left():.0f} s left")
                     continue
@@ -452,6 +526,11 @@ def measure_engine(report: Report, budget: Budget, plan: Plan, device: str, mode
             report.section("engine").setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
             report.save()
         finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             del engine
             free_device(device)
             if device == "cuda":
@@ -824,6 +903,11 @@ def table(data: dict[str, Any]) -> str:
                 lines.append(f"  {r['streams']} streams: {r['output_tok_s']:.0f} tok/s, TTFT p50 "
                              f"{r['ttft_p50_ms']:.1f} p95 {r['ttft_p95_ms']:.1f} ms, ITL p50 {r['itl_p50_ms']:.2f} "
                              f"p95 {r['itl_p95_ms']:.2f} ms")
+            elif name == "gemv":
+                share = (f"  ({r['cublas_of_copy']:.0%} / {r['triton_of_copy']:.0%} of copy bandwidth)"
+                         if "triton_of_copy" in r else "")
+                lines.append(f"  {r['projection']:<16} cublas {r['cublas_us']:>9.2f} us  triton "
+                             f"{r['triton_us']:>9.2f} us  x{r['triton_over_cublas']}{share}")
             elif name == "profile":
                 lines.append(f"  {r['variant']:<14} b={r['batch']}: launches {r['launches_per_step']}/step (graphs "
                              f"{r['graph_launches_per_step']}), syncs {r['host_syncs_per_step']}/step, aten ops "
@@ -885,7 +969,9 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     if facts:
         report.data["meta"].update(facts)
         report.save()
-    if selected - {"facts"}:
+    run_section(report, budget, "gemv", selected, plan.needs["gemv"],
+                lambda: measure_gemv(report, device, shape, facts["copy_bandwidth_gbs"] if facts else None))
+    if selected - {"facts", "gemv"}:
         selected.add("model")
     model = run_section(report, budget, "model", selected, plan.needs["model"],
                         lambda: build_model(shape, device, model_dir))
@@ -934,6 +1020,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the dry run: Triton kernels interpreted (set before import)
 
     def on_term(signum, frame) -> None:  # noqa: ANN001 - the device's timeout: unwind, so finally blocks run
         raise KeyboardInterrupt

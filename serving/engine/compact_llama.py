@@ -95,7 +95,7 @@ class DenseLinear:
     @property
     def packed(self) -> bool:
         """The weight is held in a library's opaque packed layout (not a plain tensor that can be sliced)."""
-        return self.backend != "plain"
+        return self.backend not in ("plain", "triton-gemv")
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +112,10 @@ class DenseLinear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.backend == "tiled":
             return self._tiled(x)
+        if self.backend == "triton-gemv" and x.numel() == x.shape[-1]:  # one row: a batch-1 decode's projection
+            from serving.engine.triton_gemv import dense_gemv
+
+            return dense_gemv(x.reshape(1, -1), self.weight, self.bias).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:

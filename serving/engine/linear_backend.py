@@ -24,6 +24,10 @@ the engine falls back if it does not hold.
 ``LLM_LIFECYCLE_CPU_GEMM=mkl|onednn|tiled`` in the environment overrides the choice (for A/B runs, and as a way out
 should a library misbehave); ``auto`` (the default) chooses as above. An override that cannot run here (MKL's check
 fails, the kernels are not built) falls back to the automatic choice.
+
+On CUDA the projections are ``F.linear`` (cuBLAS), unless ``LLM_LIFECYCLE_GPU_GEMV=triton`` asks for our Triton GEMV
+at one activation row (``serving.engine.triton_gemv``; more rows stay on cuBLAS): the candidate for a batch-1 decode
+at the copy bandwidth, not yet measured on a GPU, so not the default.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ import torch.nn.functional as F
 from artifacts.common.host import cpuinfo_field
 from serving.engine import cpu_kernels
 
-__all__ = ["BACKENDS", "GEMM_ENV", "MKL_PACK_ROWS", "choose_backend", "cpu_vendor", "mkl_packed_works",
-           "tiled_kernels"]
+__all__ = ["BACKENDS", "GEMM_ENV", "GPU_GEMV_ENV", "MKL_PACK_ROWS", "choose_backend", "cpu_vendor",
+           "mkl_packed_works", "tiled_kernels"]
 
 GEMM_ENV = "LLM_LIFECYCLE_CPU_GEMM"
-BACKENDS = ("mkl", "onednn", "tiled", "plain")
+GPU_GEMV_ENV = "LLM_LIFECYCLE_GPU_GEMV"
+BACKENDS = ("mkl", "onednn", "tiled", "triton-gemv", "plain")
 
 MKL_PACK_ROWS = 64  # the row count weights are packed for (any row count is then served; see above)
 
@@ -89,6 +94,11 @@ def onednn_supports(w: torch.Tensor) -> bool:
 
 def choose_backend(w: torch.Tensor) -> str:
     """One of ``BACKENDS`` for weight ``w``, as the module docstring says (the override first, where it can run)."""
+    if w.device.type == "cuda":
+        gemv = os.environ.get(GPU_GEMV_ENV, "cublas").strip().lower() or "cublas"
+        if gemv not in ("cublas", "triton"):
+            raise ValueError(f"{GPU_GEMV_ENV}: expected cublas or triton, got {gemv!r}")
+        return "triton-gemv" if gemv == "triton" else "plain"
     choice = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
     if choice not in ("auto", "mkl", "onednn", "tiled"):
         raise ValueError(f"{GEMM_ENV}: expected auto, mkl, onednn or tiled, got {choice!r}")

@@ -24,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_serving.py"
 CHECK = REPO / "benchmarks" / "gpu_check.sh"
-ALL_SECTIONS = {"facts", "model", "engine", "hf", "http", "gptq", "profile"}
+ALL_SECTIONS = {"facts", "gemv", "model", "engine", "hf", "http", "gptq", "profile"}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -61,18 +61,33 @@ def test_the_check_leaves_a_few_files_and_every_section(dry_run):
     assert 0 < model["step_weight_bytes"] < model["weight_bytes"]  # the embedding is not streamed per step
 
 
+def test_the_gemv_section_times_both_gemms_on_every_projection_shape(dry_run):
+    """cuBLAS (F.linear) and the Triton GEMV (interpreted here) on the tiny shape's five projections, both equal to
+    the fp32 product, and the sum over one decode step's projections."""
+    _, data = dry_run
+    rows = {r["projection"]: r for r in data["sections"]["gemv"]["rows"]}
+    assert set(rows) == {"qkv", "o", "gate_up", "down", "lm_head", "one decode step"}
+    for name, r in rows.items():
+        assert r["cublas_us"] > 0 and r["triton_us"] > 0
+        if name != "one decode step":
+            assert r["cublas_rel_err"] < 1e-5 and r["triton_rel_err"] < 1e-5 and r["cublas_of_copy"] > 0
+    assert rows["qkv"]["n"] == 256 and rows["down"]["k"] == 256  # (4 + 2 * 2) heads of 32; intermediate 256
+
+
 def test_every_variant_and_batch_has_sane_engine_rows(dry_run):
     _, data = dry_run
     plan = data["meta"]["plan"]
     rows = {(r["variant"], r["batch"]): r for r in data["sections"]["engine"]["rows"]}
-    assert set(rows) == {(v, b) for v in ("ours", "ours-eager", "ours-torch") for b in plan["batches"]}
+    # the Triton GEMV's variant runs batch 1 only: more rows stay on cuBLAS
+    assert set(rows) == {(v, b) for v in ("ours", "ours-eager", "ours-torch") for b in plan["batches"]} | {
+        ("ours-triton-gemv", 1)}
     for (_, batch), r in rows.items():
         assert r["tokens"] == batch * plan["max_tokens"]
         assert r["total_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_ms_per_step"] > 0
         assert r["steps"] >= plan["max_tokens"] and 0 < r["decode_steps"] < r["steps"]
         assert r["attention_backend"] == "torch" and r["decode_graphs"] is False  # CPU, C++ kernels off
     assert all(r["x_floor"] > 0 for (_, b), r in rows.items() if b == 1)
-    assert set(data["summary"]["batch1_x_floor"]) == {"ours", "ours-eager", "ours-torch"}
+    assert set(data["summary"]["batch1_x_floor"]) == {"ours", "ours-eager", "ours-torch", "ours-triton-gemv"}
 
 
 def test_hf_baselines_and_the_ratios_against_them(dry_run):
@@ -101,7 +116,7 @@ def test_http_streams_report_latency_tails(dry_run):
 def test_profile_counts_ops_per_decode_step_for_each_variant(dry_run):
     _, data = dry_run
     rows = {r["variant"]: r for r in data["sections"]["profile"]["rows"]}
-    assert set(rows) == {"ours", "ours-eager", "ours-torch"}
+    assert set(rows) == {"ours", "ours-eager", "ours-torch", "ours-triton-gemv"}
     for r in rows.values():
         assert r["batch"] == data["meta"]["plan"]["profile_batch"] and r["aten_ops_per_step"] > 0
         assert r["launches_per_step"] == 0 and r["host_syncs_per_step"] == 0  # no CUDA calls on CPU

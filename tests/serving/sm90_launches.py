@@ -144,7 +144,20 @@ def fused_launches() -> dict[str, Recorder]:
     return recorders
 
 
-GROUPS = {"int4": int4_launches, "attention": attention_launches, "fused": fused_launches}
+def gemv_launches() -> dict[str, Recorder]:
+    """The dense GEMV (``LLM_LIFECYCLE_GPU_GEMV=triton``) on the 1B model's projections at one row, bf16: QKV
+    3072x2048, O 2048x2048, gate/up 16384x2048, down 2048x8192, the head 32000x2048."""
+    from serving.engine import triton_gemv as tg
+
+    tg._num_sms = lambda device: SM_COUNT
+    recorders = _patch(tg, ["_dense_gemv"])
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (32000, 2048)):
+        tg.dense_gemv(torch.empty(1, k, **meta), torch.empty(n, k, **meta))
+    return recorders
+
+
+GROUPS = {"int4": int4_launches, "attention": attention_launches, "fused": fused_launches, "gemv": gemv_launches}
 
 if __name__ == "__main__":
     for group in sys.argv[1:]:

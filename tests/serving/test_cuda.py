@@ -211,6 +211,25 @@ def test_graphs_eager_and_torch_attention_give_the_same_tokens_in_fp32(tiny_mode
     assert outputs["graphs"] == outputs["eager"] == outputs["torch"]
 
 
+def test_the_triton_gemv_gives_the_tokens_cublas_gives_in_fp32(tiny_model_dir, prompts, monkeypatch):
+    """``LLM_LIFECYCLE_GPU_GEMV=triton`` (serving/engine/triton_gemv.py) at batch 1, graphs on: the same greedy
+    tokens as cuBLAS's projections in fp32, every projection of the model on the Triton GEMV."""
+    from serving.engine.compact_llama import DenseLinear
+
+    outputs = {}
+    for gemv in ("cublas", "triton"):
+        monkeypatch.setenv("LLM_LIFECYCLE_GPU_GEMV", gemv)
+        engine = LLMEngine.from_pretrained(tiny_model_dir, EngineConfig(device="cuda", dtype="float32",
+                                                                        num_blocks=512, max_num_seqs=1))
+        compact = engine.runner.compact
+        dense = [p for p in (*compact.projections, compact.lm_head) if isinstance(p, DenseLinear)]
+        assert dense and all(d.backend == ("triton-gemv" if gemv == "triton" else "plain") for d in dense)
+        outputs[gemv] = [o.token_ids for o in engine.generate(prompts[:2], GREEDY)]
+        del engine
+        gc.collect()
+    assert outputs["triton"] == outputs["cublas"]
+
+
 def test_a_decode_step_waits_for_the_gpu_once_at_most(tiny_model_dir):
     """torch's sync debug mode flags every operation that makes the host wait for the GPU: over decode-only steps
     of a mixed greedy and sampled batch, at most the one wait per step for the sampled ids (the engine waits on an
