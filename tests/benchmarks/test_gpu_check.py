@@ -63,10 +63,14 @@ def test_the_check_leaves_a_few_files_and_every_section(dry_run):
 
 def test_the_gemv_section_times_both_gemms_on_every_projection_shape(dry_run):
     """cuBLAS (F.linear) and the Triton GEMV (interpreted here) on the tiny shape's five projections, both equal to
-    the fp32 product, and the sum over one decode step's projections."""
+    the fp32 product, and the sum over one decode step's projections; the 4-bit GEMV on the four a bundle
+    quantizes (the default words-per-step only, on CPU)."""
     _, data = dry_run
-    rows = {r["projection"]: r for r in data["sections"]["gemv"]["rows"]}
+    rows = {r["projection"]: r for r in data["sections"]["gemv"]["rows"] if "cublas_us" in r}
+    int4 = {r["projection"]: r for r in data["sections"]["gemv"]["rows"] if "int4_us" in r}
     assert set(rows) == {"qkv", "o", "gate_up", "down", "lm_head", "one decode step"}
+    assert set(int4) == {"qkv", "o", "gate_up", "down"}  # the head stays bf16 in a 4-bit bundle
+    assert all(r["int4_us"] > 0 and r["int4_tile_words"] == 2048 for r in int4.values())
     for name, r in rows.items():
         assert r["cublas_us"] > 0 and r["triton_us"] > 0
         if name != "one decode step":
