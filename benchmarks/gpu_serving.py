@@ -10,12 +10,6 @@ before the HF baselines, HTTP and 4-bit; its other variants run last):
 1. ``facts``: the device, the library versions, and the measured device-to-device copy bandwidth (bytes read plus
    written, median of repeats timed with CUDA events); with the model's weight bytes it gives the HBM floor, the
    ms per decode step that streaming the weights once costs.
-   ``gemv`` (right after, no model needed): the batch-1 projections of the model's shapes (fused QKV, O, fused
-   gate-up, down, the head), cuBLAS's ``F.linear`` against our Triton GEMV (``serving.engine.triton_gemv``): µs a
-   call, weight bytes read a second against the copy bandwidth, the error against fp32, and the sum over one decode
-   step's projections; then the 4-bit GEMV (``triton_int4``, group size 128) on the same shapes at each
-   ``GEMV_TILE_WORDS`` it takes, against the bf16 projection on cuBLAS. The engine variant ``ours-triton-gemv``
-   (batch 1 only) serves with the dense GEMV.
 2. ``model``: a random-init Llama-3-shaped model (``--shape 1b``: hidden 2048, 16 layers, 32/8 heads, intermediate
    8192, vocab 32000, untied head; ``tiny`` for CPU) initialised on the device and saved as a HF dir under
    ``--work`` (never under ``--out``: that comes back over the wire). It has no tokenizer: the engine, HF and the
@@ -40,6 +34,12 @@ before the HF baselines, HTTP and 4-bit; its other variants run last):
    up with). The server is stopped in a ``finally`` (SIGTERM included).
 6. ``gptq``: the RTN 4-bit GPTQ checkpoint of the same model (``benchmarks.gptq_rtn``) through our engine at batch
    1 and 16: ms per decode step against the bf16 model's.
+6b. ``gemv`` (no model needed; after ``gptq``, before the engine's later variants): the batch-1 projections of
+   the model's shapes (fused QKV, O, fused gate-up, down, the head), cuBLAS's ``F.linear`` against our Triton GEMV
+   (``serving.engine.triton_gemv``): µs a call, weight bytes read a second against the copy bandwidth, the error
+   against fp32, and the sum over one decode step's projections; then the 4-bit GEMV (``triton_int4``, group size
+   128) on the four quantized shapes at each ``GEMV_TILE_WORDS`` it takes, against the bf16 projection on cuBLAS.
+   The engine variant ``ours-triton-gemv`` (batch 1 only) serves with the dense GEMV.
 7. ``profile``: decode-only steps at batch 1 and 64 under ``torch.profiler``, per engine variant (graphs on and
    off): kernel launches (``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaGraphLaunch``...) and host syncs
    (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking ``cudaMemcpy``) per step,
@@ -145,7 +145,7 @@ def default_plan(device: str, shape: str) -> Plan:
                     hf_compile=device == "cuda")
     gpu = device == "cuda"
     # what one unit costs: a section, an engine variant, an HF batch, a compile (measured ones replace the guess)
-    plan.needs = {"facts": 10 if gpu else 2, "gemv": 15 if gpu else 5, "model": 30 if gpu else 5,
+    plan.needs = {"facts": 10 if gpu else 2, "gemv": 40 if gpu else 10, "model": 30 if gpu else 5,
                   "engine": 40 if gpu else 8,
                   "hf": 20 if gpu else 4, "hf_compile": 90 if gpu else 60, "http": 45 if gpu else 25,
                   "gptq": 45 if gpu else 10, "profile": 8 if gpu else 2}
@@ -1019,8 +1019,6 @@ def run(args: argparse.Namespace, work: Path) -> Report:
     if facts:
         report.data["meta"].update(facts)
         report.save()
-    run_section(report, budget, "gemv", selected, plan.needs["gemv"],
-                lambda: measure_gemv(report, device, shape, facts["copy_bandwidth_gbs"] if facts else None))
     if selected - {"facts", "gemv"}:
         selected.add("model")
     model = run_section(report, budget, "model", selected, plan.needs["model"],
@@ -1055,6 +1053,8 @@ def run(args: argparse.Namespace, work: Path) -> Report:
                                      work, args.out / "http_server.log"), no_model)
     run_section(report, budget, "gptq", selected, plan.needs["gptq"],
                 lambda: measure_gptq(report, budget, plan, device, model_dir, shape.vocab, work), no_model)
+    run_section(report, budget, "gemv", selected, plan.needs["gemv"],
+                lambda: measure_gemv(report, device, shape, facts["copy_bandwidth_gbs"] if facts else None))
     engine_variants(later, 0)  # each variant is skipped alone (with its row) when the budget is short
     if "profile" in selected:
         engine = report.section("engine")
