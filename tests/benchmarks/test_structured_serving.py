@@ -34,4 +34,4 @@ def test_the_cost_ratio_is_the_median_of_the_rounds_not_of_the_pooled_rates() ->
     alone = Figures("ours", 10, 0, 10, 10, 0, 900, 270.0, 900, 300.0, 40.0, 30.0)
     assert f"{alone.cost_ratio:.2f}" == "0.90" and alone.ratio_range == ""
     rounds = Figures("ours", 10, 0, 10, 10, 0, 900, 200.0, 900, 300.0, 40.0, 30.0, round_ratios=[0.93, 0.80, 0.91])
-    assert rounds.cost_ratio == 0.91 and rounds.ratio_range == "0.80-0.93"
+    assert rounds.cost_ratio == 0.91 and rounds.ratio_range == "0.93, 0.80, 0.91"
