@@ -88,6 +88,11 @@ class DenseLinear:
                 raise ValueError("DenseLinear: the tiled GEMM is not built here (cpu_kernels without AVX2 + FMA)")
             self.weight = kernels.tiled_pack(weight.detach().contiguous())
             self._kernels = kernels
+        elif backend == "triton-gemv":
+            from serving.engine import triton_gemv  # imported here: triton is there on a GPU machine
+
+            self.weight = weight
+            self._kernels = triton_gemv
         else:
             self.weight = weight
         self.bias = bias
@@ -113,9 +118,7 @@ class DenseLinear:
         if self.backend == "tiled":
             return self._tiled(x)
         if self.backend == "triton-gemv" and x.numel() == x.shape[-1]:  # one row: a batch-1 decode's projection
-            from serving.engine.triton_gemv import dense_gemv
-
-            return dense_gemv(x.reshape(1, -1), self.weight, self.bias).view(*x.shape[:-1], -1)
+            return self._kernels.dense_gemv(x.reshape(1, -1), self.weight, self.bias).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,17 +11,10 @@ import pytest
 import torch
 
 from serving.engine.triton_gemv import dense_gemv, gemv_block_n
+from tests.serving.test_triton_int4 import assert_matches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-
-
-def _assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    ref = x.double() @ w.double().T + (0 if b is None else b.double())
-    assert y.dtype == x.dtype and y.shape == ref.shape
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[x.dtype]
-    err = (y.double() - ref).abs().max().item()
-    assert err <= tol * ref.abs().max().item(), (err, ref.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -32,7 +25,7 @@ def test_the_gemv_equals_the_matmul(dtype, n, k, bias):
     w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
     x = torch.randn(1, k, generator=gen).to(dtype).to(DEVICE)
     b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
-    _assert_close(dense_gemv(x, w, b), x, w, b)
+    assert_matches(dense_gemv(x, w, b), x, w, b)
 
 
 def test_rows_of_a_fused_projection_and_two_activation_rows():
@@ -41,7 +34,7 @@ def test_rows_of_a_fused_projection_and_two_activation_rows():
     fused = torch.randn(96, 256, generator=gen).to(DEVICE)
     part = fused[32:80]
     x = torch.randn(2, 256, generator=gen).to(DEVICE)
-    _assert_close(dense_gemv(x, part), x, part, None)
+    assert_matches(dense_gemv(x, part), x, part, None)
     with pytest.raises(ValueError, match="rows must be contiguous"):
         dense_gemv(x, torch.randn(256, 48, generator=gen).to(DEVICE).T)  # a transposed weight [48, 256]
     with pytest.raises(ValueError, match=r"expected x \[M, K\]"):
@@ -71,8 +64,8 @@ def test_a_projection_on_the_triton_gemv_runs_it_for_one_row_and_cublas_for_more
     try:  # a wrapper that counts (the kernel itself runs): which calls reach it
         triton_gemv.dense_gemv = lambda *a: calls.append(a[0].shape) or real(*a)
         one, many = torch.randn(1, 1, 64, generator=gen).to(DEVICE), torch.randn(3, 64, generator=gen).to(DEVICE)
-        _assert_close(linear(one).view(1, 24), one.view(1, 64), w, b)
-        _assert_close(linear(many), many, w, b)
+        assert_matches(linear(one).view(1, 24), one.view(1, 64), w, b)
+        assert_matches(linear(many), many, w, b)
     finally:
         triton_gemv.dense_gemv = real
     assert calls == [(1, 64)] and linear(one).shape == (1, 1, 24)
