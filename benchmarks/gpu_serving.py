@@ -15,7 +15,8 @@ before the HF baselines, HTTP and 4-bit; its other variants run last):
    ``--work`` (never under ``--out``: that comes back over the wire). It has no tokenizer: the engine, HF and the
    4-bit runs take token ids, so no run pays detokenisation the others do not. The HTTP run serves a sibling dir
    that adds a word-level tokenizer of the full vocabulary, so the server detokenises as it would in production.
-3. ``engine``: ``LLMEngine`` in-process per variant (``ours`` = defaults, ``ours-eager`` = no CUDA graphs,
+3. ``engine``: ``LLMEngine`` in-process per variant (``ours`` = defaults, async scheduling on;
+   ``ours-sync`` = one step at a time, batches 1 and 64; ``ours-eager`` = no CUDA graphs,
    ``ours-torch`` = torch attention and no graphs, roughly the path before issue 34) at each batch size: seeded
    token-id prompts of mixed lengths, ``max_tokens`` fixed, ``ignore_eos``, greedy, after a short warm-up run at the
    same batch. Decode tok/s counts the tokens made after the last sequence got its first one, over that time; total
@@ -78,14 +79,16 @@ from benchmarks.stream_load import make_prompts, make_shapes  # noqa: E402
 
 SECTIONS = ("facts", "gemv", "model", "engine", "hf", "http", "gptq", "profile")
 VARIANTS: dict[str, dict[str, Any]] = {
-    "ours": {},
+    "ours": {"async_scheduling": True},  # the GPU's default, set so the CPU dry run takes the same path
     "ours-eager": {"enforce_eager": True},
     "ours-torch": {"attention_backend": "torch", "enforce_eager": True},
     "ours-triton-gemv": {},
+    "ours-sync": {"async_scheduling": False},  # one step at a time: what async scheduling buys
 }
 # what a variant sets in the environment while its engine loads, and the batches it runs (default: the plan's)
 VARIANT_ENV: dict[str, dict[str, str]] = {"ours-triton-gemv": {"LLM_LIFECYCLE_GPU_GEMV": "triton"}}
-VARIANT_BATCHES: dict[str, list[int]] = {"ours-triton-gemv": [1]}  # more rows stay on cuBLAS
+VARIANT_BATCHES: dict[str, list[int]] = {"ours-triton-gemv": [1],  # more rows stay on cuBLAS
+                                         "ours-sync": [1, 64]}  # where the host's share of a step is largest
 HF_BATCH_ORDER = (64, 256, 1, 16)  # the batches the goals compare with HF first: a short budget keeps them
 RESULTS_NAME = "gpu_serving.json"
 SERVER_PID_NAME = "http_server.pid"  # under --work: gpu_check.sh stops a server this process could not
@@ -525,6 +528,7 @@ def engine_facts(engine, device: str) -> dict[str, Any]:
     runner = engine.runner
     facts = {"attention_backend": getattr(runner, "attention_backend", None),
              "decode_graphs": getattr(runner, "graphs", None) is not None, "num_blocks": runner.num_blocks,
+             "async_scheduling": engine.async_scheduling,
              "dtype": str(runner.dtype).removeprefix("torch.")}
     if device == "cuda":
         facts["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)

@@ -92,6 +92,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="run every step eagerly: no CUDA graphs for decode steps on a GPU (for comparison, or "
                         "to save the graphs' memory and capture time)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="keep one engine step in flight: the host applies a step and plans the next while the "
+                        "device computes (default: on for a GPU without --speculative-tokens, off on CPU)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=DIR",
                    help="LoRA adapters (PEFT adapter directories) served beside the model: a request's `model` "
                         "names one; loaded before the server is ready")
@@ -131,6 +134,7 @@ def engine_config_from_args(args: argparse.Namespace):
                             speculative_model=args.speculative_model,
                             speculative_lookup=args.speculative_lookup,
                             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                            async_scheduling=args.async_scheduling,
                             max_loras=max_loras(args), max_lora_rank=args.max_lora_rank)
     except ValueError as e:
         raise ServeError(f"serve: {e}") from e

@@ -127,12 +127,14 @@ class BlockManager:
             seq.block_table.append(b)
         return True
 
-    def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register hashes of blocks that became full of computed tokens, for later prefix hits."""
+    def commit_full_blocks(self, seq: Sequence, computed: int | None = None) -> None:
+        """Register hashes of blocks that became full of computed tokens, for later prefix hits. ``computed``: the
+        tokens whose KV is known written (a step's end, when a later step is still in flight), else all of
+        ``num_computed_tokens``."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        full = min((seq.num_computed_tokens if computed is None else computed) // bs, len(seq.block_table))
         prev = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
         for i in range(len(seq.block_hashes), full):
             toks = tuple(seq.token_ids[i * bs:(i + 1) * bs])

@@ -58,6 +58,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # True: every step runs eagerly; False: decode-only steps on a GPU replay CUDA graphs captured per batch size
     enforce_eager: bool = False
+    # one step in flight: the host applies step N and plans N+1 while the device computes N+1 (serving.engine.engine);
+    # None: on for a GPU without speculative decoding, off on CPU (where the host is the device: nothing overlaps)
+    async_scheduling: Optional[bool] = None
     # LoRA adapters (serving.engine.lora): how many are resident at once (0: adapters off), and their largest rank
     max_loras: int = 0
     max_lora_rank: int = 16
@@ -95,6 +98,9 @@ class EngineConfig:
             raise ValueError(f"speculative_tokens: must be in [0, 16], got {self.speculative_tokens}")
         if self.speculative_ngram < 2:
             raise ValueError(f"speculative_ngram: must be >= 2, got {self.speculative_ngram}")
+        if self.async_scheduling and self.speculative_tokens:
+            raise ValueError("async_scheduling: cannot be on with speculative decoding (guesses are made from tokens "
+                             "the host has not seen while a step is in flight); turn one of them off")
         if self.speculative_model is not None:
             if not str(self.speculative_model).strip():
                 raise ValueError("speculative_model: must be a model directory, got an empty string")

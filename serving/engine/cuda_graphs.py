@@ -89,11 +89,15 @@ class DecodeGraphs:
         return self.bucket(len(scheduled)) is not None and \
             max(len(item.seq.block_table) for item in scheduled) <= self.inputs.max_blocks
 
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [len(scheduled), V] of a decode-only step that ``fits``."""
+    def run(self, scheduled: list[ScheduledSeq],
+            before_replay: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Logits [len(scheduled), V] of a decode-only step that ``fits``. ``before_replay`` gets the static input
+        ids once the plan is in them (the runner writes the ids the previous step sampled on the device)."""
         n = len(scheduled)
         b = self.bucket(n)
         self.inputs.fill(scheduled, b)
+        if before_replay is not None:
+            before_replay(self.inputs.ids)
         if self.replay == "eager":
             return self.forward(self.inputs.inputs(b))[:n]
         graph, out = self._graphs[b]

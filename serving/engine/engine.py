@@ -4,6 +4,12 @@ The engine is the front: it validates requests, gives each a detokenizer, and ru
 step computes is the scheduler's plan (``Scheduler.schedule``); the executor runs it (``ModelExecutor``);
 the scheduler applies the result (``Scheduler.update_from_output``): tokens, guesses, stop rules, blocks.
 
+Async scheduling (``EngineConfig.async_scheduling``, on by default on a GPU): one step stays in flight. A step
+launches step N+1 (its decode inputs read from step N's sampled ids on the device) before it waits for step N and
+applies it, so the host's work between steps (detokenizing, stop rules, outputs, the next plan) runs while the GPU
+computes, as in vLLM v1. A step whose plan needs step N's tokens on the host (a grammar to advance, penalties to
+count) applies step N first. A request that step N ends has one more token computed for it by N+1, dropped.
+
 Thread model: ``add_request`` and ``abort`` may be called from any thread (the API server's event
 loop); they only validate and put work into an inbox under a lock. ``step`` runs in one thread (the
 server's engine thread or the caller of ``generate``); it drains the inbox, schedules, runs one
@@ -17,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +33,7 @@ from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.device_memory import derive_max_model_len
 from serving.engine.draft_model import DraftModelProposer, draft_cache_blocks
 from serving.engine.errors import InvalidRequestError, QueueFullError, UnknownAdapterError
-from serving.engine.executor import ModelExecutor
+from serving.engine.executor import LaunchedStep, ModelExecutor
 from serving.engine.generation_defaults import SamplingDefaults, read_sampling_defaults
 from serving.engine.limits import RequestLimits, validate_request
 from serving.engine.lora import LoraAdapter
@@ -34,8 +41,8 @@ from serving.engine.model_runner import ModelRunner
 from serving.engine.outputs import EngineStats, RequestOutput
 from serving.engine.sampler import Sampler
 from serving.engine.sampling_params import SamplingParams
-from serving.engine.scheduler import Scheduler
-from serving.engine.sequence import Sequence
+from serving.engine.scheduler import Scheduler, SchedulerOutput
+from serving.engine.sequence import Sequence, SequenceStatus
 from serving.engine.speculative import LookupThenDraft, NgramProposer, Proposer, SpeculationStats
 from serving.engine.structured_output import GrammarCache, start_matcher
 
@@ -53,6 +60,11 @@ class LLMEngine:
         self.max_model_len = derive_max_model_len(runner.max_position, config.max_model_len, runner.num_blocks,
                                                   config.block_size, runner.cache_flag)
         self.executor = ModelExecutor(runner, Sampler(seed=config.seed))
+        # one step in flight (the module docstring); on by default where the device runs apart from the host
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else runner.device.type == "cuda" and not config.speculative_tokens
+        self._in_flight: InFlightStep | None = None
+        self.num_steps_overlapped = 0  # steps whose wait ran while the next step was already launched
         self.scheduler = Scheduler(config, runner.num_blocks, self.max_model_len,
                                    _make_proposer(config, runner, tokenizer), lora=runner.lora)
         self._lock = threading.Lock()
@@ -155,7 +167,8 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._aborts and self.scheduler.requests) or self.scheduler.has_unfinished()
+            return bool(self._inbox or self._aborts and self.scheduler.requests) or self.scheduler.has_unfinished() \
+                or self._in_flight is not None
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -168,15 +181,43 @@ class LLMEngine:
         process exits with it (the replica is replaced).
         """
         outputs = self._drain_inbox()
+        previous, self._in_flight = self._in_flight, None
         plan = self.scheduler.schedule()
         try:
+            if previous is not None and not self._can_overlap(previous, plan):
+                outputs += self._apply(previous)
+                previous = None
+                plan.scheduled = [item for item in plan.scheduled if item.seq.status == SequenceStatus.RUNNING]
+            launched = None
             if plan:
                 self.num_steps += 1
-                outputs += self.scheduler.update_from_output(plan, self.executor.execute(plan.scheduled))
+                launched = InFlightStep(plan, self.executor.launch(plan.scheduled,
+                                                                   previous.step if previous else None))
+                self.scheduler.launched(plan, launched.step.sample_flags)
+            if previous is not None:
+                self.num_steps_overlapped += launched is not None
+                outputs += self._apply(previous)
+            if launched is not None:
+                if self.async_scheduling:
+                    self._in_flight = launched
+                else:
+                    outputs += self._apply(launched)
             return outputs
         finally:
             plan.drop_drafts()  # a guess never outlives its step, whatever happened in it
             self._forget_finished()
+
+    def _can_overlap(self, previous: InFlightStep, plan: SchedulerOutput) -> bool:
+        """Whether ``plan`` can be launched before ``previous`` is applied: its ids are on the device, and no
+        sequence waiting on one of them needs the token on the host first (a grammar to advance, penalties)."""
+        if not plan or previous.step.sampled_on_device() is None:
+            return False
+        return not any(item.seq.num_pending and (item.seq.grammar is not None or item.seq.params.has_penalties)
+                       for item in plan.scheduled)
+
+    def _apply(self, step: InFlightStep) -> list[RequestOutput]:
+        """Wait for a launched step and apply it to its sequences."""
+        return self.scheduler.update_from_output(step.plan, step.step.result())
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
@@ -275,6 +316,14 @@ class LLMEngine:
     @property
     def requests_failed_total(self) -> int:
         return self.scheduler.requests_failed_total
+
+
+@dataclass
+class InFlightStep:
+    """A launched step and the plan it runs."""
+
+    plan: SchedulerOutput
+    step: LaunchedStep
 
 
 def _make_proposer(config: EngineConfig, runner: ModelRunner, tokenizer: Any) -> Proposer | None:

@@ -42,6 +42,7 @@ from serving.engine.device_memory import (
     profile_forward,
 )
 from serving.engine.errors import ModelLoadError
+from serving.engine.host_transfer import PinnedStaging
 from serving.engine.int4_linear import Int4Linear
 from serving.engine.legacy_step_inputs import build_legacy_inputs
 from serving.engine.llama_checkpoint import load_plain
@@ -66,6 +67,16 @@ class StepLogits:
     prompt_logits: list[tuple[int, int, torch.Tensor]]
     # index into scheduled -> logits [num_tokens, V] of every position it computed (speculation checks)
     verify_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class TokenFill:
+    """Input rows whose token the previous step sampled and the host has not seen yet (async scheduling): row
+    ``rows[k]`` of this step's flattened input takes ``token_ids[src[k]]``, read on the device."""
+
+    rows: list[int]
+    src: list[int]
+    token_ids: torch.Tensor  # the previous step's sampled ids, on the device
 
 
 class ModelRunner:
@@ -96,6 +107,7 @@ class ModelRunner:
         self.triton = None  # the Triton kernels' module when they run attention (see the module docstring)
         self.builder: StepInputBuilder | None = None
         self.graphs: DecodeGraphs | None = None
+        self._fill_staging = PinnedStaging(self.device, 64)  # the index pairs of a ``TokenFill``
         self.attention_backend = self._attention_backend()
         if self.attention_backend == "triton":  # before sizing: the profile forward runs what serving will run
             from serving.engine import triton_attention
@@ -284,9 +296,10 @@ class ModelRunner:
     # ----------------------------------------------------------------- forward
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], sample_flags: list[bool],
-                verify: list[bool] | None = None) -> StepLogits:
+                verify: list[bool] | None = None, fill: TokenFill | None = None) -> StepLogits:
         """One forward over the plan. ``sample_flags[i]``: scheduled[i] samples a token this step;
-        ``verify[i]``: return the logits of every position scheduled[i] computed (guessed tokens to check)."""
+        ``verify[i]``: return the logits of every position scheduled[i] computed (guessed tokens to check);
+        ``fill``: input rows that take the previous step's sampled ids from the device."""
         keep: list[int] = []
         sample_rows: list[int] = []
         prompt_spans: list[tuple[int, int, int, int]] = []  # sched idx, first prompt pos, keep lo, keep hi
@@ -326,11 +339,13 @@ class ModelRunner:
                 every_row = len(keep) == row and keep == list(range(row))  # e.g. a decode-only step, all sampling
                 if every_row and self.graphs is not None and lora is None \
                         and all(item.num_tokens == 1 for item in scheduled) and self.graphs.fits(scheduled):
-                    logits = self.graphs.run(scheduled)
+                    logits = self.graphs.run(scheduled, lambda ids: self._fill_inputs(ids, fill))
                 else:
-                    logits = self._forward(self.builder.build(scheduled, None if every_row else keep))
+                    inputs = self.builder.build(scheduled, None if every_row else keep)
+                    self._fill_inputs(inputs.input_ids, fill)
+                    logits = self._forward(inputs)
             else:
-                logits = self._forward_legacy(scheduled, keep)
+                logits = self._forward_legacy(scheduled, keep, fill)
         finally:
             if lora is not None:
                 self.compact.lora_batch = None
@@ -359,10 +374,26 @@ class ModelRunner:
                          logits_to_keep=0 if inputs.keep is None else inputs.keep, paged_metadata=meta)
         return out.logits[0].float()
 
-    def _forward_legacy(self, scheduled: list[ScheduledSeq], keep: list[int]) -> torch.Tensor:
+    def _fill_inputs(self, input_ids: torch.Tensor, fill: TokenFill | None) -> None:
+        """Write the previous step's sampled ids into the rows that wait for them, on the device: two index vectors
+        in one staged copy, one gather, one scatter; the host never reads the ids."""
+        if fill is None:
+            return
+        n = len(fill.rows)
+        staging = self._fill_staging
+        staging.reserve(2 * n)
+        staging.array[:n] = fill.rows
+        staging.array[n:2 * n] = fill.src
+        staging.upload(2 * n)
+        rows, src = staging.dev[:n].long(), staging.dev[n:2 * n].long()
+        input_ids.view(-1).index_put_((rows,), fill.token_ids[src].to(input_ids.dtype))
+
+    def _forward_legacy(self, scheduled: list[ScheduledSeq], keep: list[int],
+                        fill: TokenFill | None = None) -> torch.Tensor:
         """fp32 logits of the ``keep`` rows on the torch or C++ attention path (inputs built from lists)."""
         input_ids, positions, meta = build_legacy_inputs(scheduled, self.k_caches, self.v_caches, self.block_size,
                                                          self.device, self.decode_kernel, self.prefill_kernel)
+        self._fill_inputs(input_ids, fill)
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
         if self.compact is not None:
             return self.compact(input_ids[0], positions[0], meta, keep_t).float()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from serving.engine.host_transfer import HostReadback, PinnedStaging
+from serving.engine.host_transfer import HostReadback, PendingReadback, PinnedStaging
 from serving.engine.sequence import Sequence
 from serving.engine.structured_output import fill_masks
 
@@ -102,6 +102,27 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], matchers: list,
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
+class PendingSample:
+    """A batch's sampled ids on the device, on their way to the host: ``token_ids`` is the device tensor (one id per
+    row, int64), ``result()`` waits for the copy and gives the ``SampleResult``."""
+
+    def __init__(self, token_ids: torch.Tensor, readback: PendingReadback, n_extra: int,
+                 want_logprobs: list[int | None]) -> None:
+        self.token_ids = token_ids
+        self._readback = readback
+        self._n_extra = n_extra
+        self._want = want_logprobs
+
+    def result(self) -> SampleResult:
+        values = self._readback.wait()
+        token_list, rest = values[0], values[1:1 + self._n_extra]
+        if not any(k is not None for k in self._want):
+            return SampleResult(token_list, [None] * len(self._want), rest)
+        chosen, *tops = values[1 + self._n_extra:]
+        tv, ti = tops if tops else (None, None)
+        return SampleResult(token_list, _logprob_records(token_list, chosen, tv, ti, self._want), rest)
+
+
 class Sampler:
     """Samples one token per row. Every choice that depends on the requests' parameters is made on the host from
     ``SamplingParams``; the per-row parameters and the ids to block go to the device in one non-blocking copy
@@ -129,9 +150,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  extra: list[torch.Tensor] | tuple[torch.Tensor, ...] = (),
                  grammar_masks: Future[torch.Tensor] | None = None) -> SampleResult:
-        """One token per row of ``logits`` for ``seqs``; ``extra`` device tensors (the step's other results) come
-        back to the host in the same wait. ``grammar_masks``: the constrained rows' masks, in the order of
-        ``seqs``, being filled since before the forward."""
+        """One token per row of ``logits`` for ``seqs``, waited for (``launch`` then ``result``)."""
+        return self.launch(logits, seqs, extra, grammar_masks).result()
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence],
+               extra: list[torch.Tensor] | tuple[torch.Tensor, ...] = (),
+               grammar_masks: Future[torch.Tensor] | None = None) -> PendingSample:
+        """Sample one token per row of ``logits`` for ``seqs`` without waiting: the ids stay on the device
+        (``PendingSample.token_ids``, what the next step's inputs can read) and come back with ``result()``.
+        ``extra`` device tensors (the step's other results) come back in the same wait. ``grammar_masks``: the
+        constrained rows' masks, in the order of ``seqs``, being filled since before the forward."""
         dev = logits.device
         want_lp = [s.params.logprobs for s in seqs]
         raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in want_lp) else None
@@ -148,20 +176,16 @@ class Sampler:
             if constrained:
                 apply_grammar_masks(logits, constrained, [seqs[i].grammar for i in constrained], grammar_masks)
         tokens = self._sample(logits, seqs, greedy, params) if sampled else logits.argmax(-1)
-        n_extra = len(extra)
         if raw_logprobs is None:
-            token_list, *rest = self.readback(dev).fetch(tokens, *extra)
-            return SampleResult(token_list, [None] * len(seqs), rest)
+            return PendingSample(tokens, self.readback(dev).start(tokens, *extra), len(extra), want_lp)
         kmax = max(k for k in want_lp if k is not None)
         chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
         if kmax > 0:
             top_vals, top_ids = raw_logprobs.topk(kmax, dim=-1)
-            token_list, *rest, chosen_l, tv, ti = self.readback(dev).fetch(tokens, *extra, chosen, top_vals, top_ids)
+            pending = self.readback(dev).start(tokens, *extra, chosen, top_vals, top_ids)
         else:
-            token_list, *rest, chosen_l = self.readback(dev).fetch(tokens, *extra, chosen)
-            tv = ti = None
-        assert len(rest) == n_extra
-        return SampleResult(token_list, _logprob_records(token_list, chosen_l, tv, ti, want_lp), rest)
+            pending = self.readback(dev).start(tokens, *extra, chosen)
+        return PendingSample(tokens, pending, len(extra), want_lp)
 
     def _upload(self, dev: torch.device, seqs: list[Sequence], greedy: list[bool], blocked: list[tuple[int, int]],
                 sampled: bool) -> dict[str, torch.Tensor]:

@@ -18,3 +18,8 @@ __all__ = ["ScheduledSeq"]
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed for this sequence in this step, from seq.num_computed_tokens
+    # set when the step is launched (``Scheduler.launched``): the first position it computes, and where in
+    # ``seq.token_ids`` its sampled token goes (-1: it samples none); the step's result is applied by these, since
+    # with async scheduling the next step has moved the sequence on by then
+    start: int = -1
+    sample_index: int = -1

@@ -12,10 +12,17 @@ adapter is admitted only while its adapter can be resident (``lora.LoraManager``
 it runs, and the plan puts each adapter's rows side by side.
 The result is a plain plan (``SchedulerOutput``) that the executor runs.
 
-``update_from_output()`` applies the step's ``ModelOutput``, as in vLLM v1: tokens appended, guesses kept or
-rolled back (``spec_commit``), stop rules checked (``stop_rules``), full blocks registered for prefix
-caching, and finished requests taken out with their blocks freed in that same step. The scheduler owns
-the block manager; nothing else allocates or frees KV blocks.
+``launched()`` moves each planned sequence on as soon as its step is launched, before anything is known of the
+result: its computed count covers the step's tokens, and a sequence that samples gets a ``PLACEHOLDER`` id where
+the token will go. So the next plan can be made while the step runs (async scheduling: the sequence then decodes
+the placeholder, whose value the runner reads on the device). A sequence whose pending token must end it by length
+is not planned again.
+
+``update_from_output()`` applies the step's ``ModelOutput``, as in vLLM v1: the sampled token written over its
+placeholder, guesses kept or rolled back (``spec_commit``), stop rules checked (``stop_rules``), full blocks
+registered for prefix caching, and finished requests taken out with their blocks freed in that same step. A
+sequence that finished in the meantime (aborted, or ended by the step before) is skipped: what a later step
+computed for it is dropped. The scheduler owns the block manager; nothing else allocates or frees KV blocks.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from serving.engine.block_manager import BlockManager
 from serving.engine.config import EngineConfig
 from serving.engine.outputs import EngineStats, LogprobRecord, ModelOutput, RequestOutput, request_output
 from serving.engine.scheduled_seq import ScheduledSeq
-from serving.engine.sequence import Sequence, SequenceStatus
+from serving.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from serving.engine.spec_commit import Speculator, drop_drafts, fit_drafts
 from serving.engine.speculative import Proposer
 from serving.engine.stop_rules import stopped_after
@@ -146,6 +153,8 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.num_pending and self._ends_by_length(seq):
+                continue  # its token in flight is its last: it finishes when that step's result lands
             n = seq.num_tokens - seq.num_computed_tokens
             if n > budget:
                 if not chunked:
@@ -198,6 +207,24 @@ class Scheduler:
             budget -= n
         return out
 
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+
+    # ----------------------------------------------------------------- launch
+    def launched(self, plan: SchedulerOutput, sample_flags: list[bool]) -> None:
+        """The plan's step is under way: move its sequences on (see the module docstring). Sequences checking
+        guesses are moved by their commit instead (speculation runs one step at a time)."""
+        for item, samples in zip(plan.scheduled, sample_flags):
+            seq = item.seq
+            if seq.draft_token_ids:
+                continue
+            item.start = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_tokens
+            if samples:
+                item.sample_index = len(seq.token_ids)
+                seq.token_ids.append(PLACEHOLDER)
+                seq.num_pending += 1
+
     # ----------------------------------------------------------------- apply
     def update_from_output(self, plan: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         """Apply a computed step to each planned sequence; return the outputs of those it touched.
@@ -211,6 +238,8 @@ class Scheduler:
         flags, records, sampled, verified, errors = (out.sample_flags, out.prompt_records, out.sampled,
                                                      out.verified, out.errors)
         for i, item in enumerate(plan.scheduled):
+            if item.seq.status == SequenceStatus.FINISHED:
+                continue  # aborted, or ended by the step before, while this one ran: its work here is dropped
             if errors and i in errors:
                 outputs.append(self.fail(item.seq, errors[i]))
                 continue
@@ -228,10 +257,12 @@ class Scheduler:
     def _commit_one(self, item: ScheduledSeq, sample_flag: bool,
                     prompt_records: tuple[int, list[LogprobRecord]] | None,
                     sampled: tuple[int, LogprobRecord | None] | None, now: float) -> RequestOutput | None:
-        """A step without guesses: the computed tokens' KV is kept, and a sampled token appended."""
+        """A step without guesses (launched: ``launched`` counted its tokens computed): its full blocks registered,
+        and its sampled token written where its placeholder stands, the stop rules seeing the sequence as it was
+        at this step (placeholders of a later step in flight are set aside meanwhile)."""
         seq = item.seq
-        seq.num_computed_tokens += item.num_tokens
-        self.bm.commit_full_blocks(seq)
+        end = item.start + item.num_tokens
+        self.bm.commit_full_blocks(seq, end)
         if prompt_records is not None:
             first, recs = prompt_records
             for r, rec in enumerate(recs):
@@ -239,11 +270,14 @@ class Scheduler:
                     seq.prompt_logprobs.append(rec)
         if not sample_flag:
             # prefill-only requests (max_tokens == 0) finish once their prompt is computed
-            if seq.params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+            if seq.params.max_tokens == 0 and end == seq.num_tokens:
                 seq.finish_reason = "length"
                 return self.finish(seq)
             return None
         tok, lp = sampled
+        later = seq.token_ids[item.sample_index + 1:]  # placeholders of a step launched after this one
+        del seq.token_ids[item.sample_index:]
+        seq.num_pending = 0
         seq.token_ids.append(tok)
         self.generation_tokens_total += 1
         if seq.first_token_time is None:
@@ -254,7 +288,10 @@ class Scheduler:
         lps = [lp] if lp is not None else None
         if stopped:
             return self.finish(seq, [tok], lps)
-        return request_output(seq, [tok], lps, finished=False)
+        out = request_output(seq, [tok], lps, finished=False)
+        seq.token_ids.extend(later)
+        seq.num_pending = len(later)
+        return out
 
     def _commit_checked(self, item: ScheduledSeq, greedy: list[int], now: float) -> RequestOutput:
         """A step that checked guesses: the kept ones and the model's own token (``Speculator.commit``)."""
@@ -273,7 +310,10 @@ class Scheduler:
     def finish(self, seq: Sequence, new_ids: list[int] | None = None,
                new_lp: list[LogprobRecord] | None = None) -> RequestOutput:
         """End a request now (``finish_reason`` set): out of its queue, its blocks and a draft model's for it
-        freed, its id in ``finished_ids``; returns its last output."""
+        freed, its id in ``finished_ids``; returns its last output (without tokens still in flight)."""
+        if seq.num_pending:
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
         self.remove(seq)
         self.speculator.release(seq.request_id)
         self.requests_finished_total += 1

@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from serving.engine.lora import LoraAdapter
 
 
+# the id a launched step's sampled token holds in ``Sequence.token_ids`` until its value comes back from the device;
+# the next step's input reads the value on the device (``model_runner.TokenFill``), never this
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -61,6 +66,9 @@ class Sequence:
     # the LoRA adapter the request asked for (None: the base), and its slot while the request runs
     lora: LoraAdapter | None = None
     lora_slot: int = -1
+    # how many ids at the end of token_ids are PLACEHOLDERs: tokens sampled by a launched step whose values are
+    # still on the device (async scheduling; the step's result writes them in, in order)
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

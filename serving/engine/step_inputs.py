@@ -13,8 +13,9 @@ Two layouts share the machinery (``host_transfer.PinnedStaging``):
   captured once reads the same addresses at every replay; rows past the batch are padding: no KV slot (-1), a
   context of length 0, which the Triton kernels skip.
 
-Reusing the pinned buffer is safe because every step ends by waiting on its sampled token ids (one event),
-which come after the copy in stream order.
+Reusing a pinned buffer is safe because the staging alternates between two of them (``PinnedStaging.flip``) and
+the engine keeps at most one step in flight: a buffer is written again only after the step that read it was
+waited on (its sampled token ids, which come after the copy in stream order).
 """
 
 from __future__ import annotations
@@ -132,8 +133,10 @@ class DecodeStaticInputs:
         b, dev = max_batch, self.staging.dev
         self.ids, self.positions, self.slots, self.lens = (dev[i * w:i * w + b] for i in range(4))
         self.tables = dev[4 * w:4 * w + b * max_blocks].view(b, max_blocks)
-        self.staging.array[:] = 0
-        self.staging.array[2 * w:3 * w] = NO_SLOT
+        for _ in range(2):  # both host buffers start as all padding (``fill`` alternates between them)
+            self.staging.flip()
+            self.staging.array[:] = 0
+            self.staging.array[2 * w:3 * w] = NO_SLOT
         self.staging.upload(self.staging.array.shape[0])
 
     def inputs(self, batch: int) -> StepInputs:
@@ -144,6 +147,7 @@ class DecodeStaticInputs:
     def fill(self, scheduled: list[ScheduledSeq], batch: int) -> None:
         """Write a decode-only plan into the first rows, padding up to ``batch`` rows, and send it."""
         bs, b, w = self.block_size, self.max_batch, self.stride
+        self.staging.flip()  # the other host buffer: the step in flight may not have been copied from this one yet
         buf = self.staging.array
         ids, pos, slots, lens = (buf[i * w:i * w + b] for i in range(4))
         tables = buf[4 * w:4 * w + b * self.max_blocks].reshape(b, self.max_blocks)

@@ -84,14 +84,16 @@ def test_every_variant_and_batch_has_sane_engine_rows(dry_run):
     rows = {(r["variant"], r["batch"]): r for r in data["sections"]["engine"]["rows"]}
     # the Triton GEMV's variant runs batch 1 only: more rows stay on cuBLAS
     assert set(rows) == {(v, b) for v in ("ours", "ours-eager", "ours-torch") for b in plan["batches"]} | {
-        ("ours-triton-gemv", 1)}
+        ("ours-triton-gemv", 1)} | {("ours-sync", b) for b in plan["batches"] if b in (1, 64)}
+    assert rows["ours", 1]["async_scheduling"] is True and rows["ours-sync", 1]["async_scheduling"] is False
     for (_, batch), r in rows.items():
         assert r["tokens"] == batch * plan["max_tokens"]
         assert r["total_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_ms_per_step"] > 0
         assert r["steps"] >= plan["max_tokens"] and 0 < r["decode_steps"] < r["steps"]
         assert r["attention_backend"] == "torch" and r["decode_graphs"] is False  # CPU, C++ kernels off
     assert all(r["x_floor"] > 0 for (_, b), r in rows.items() if b == 1)
-    assert set(data["summary"]["batch1_x_floor"]) == {"ours", "ours-eager", "ours-torch", "ours-triton-gemv"}
+    assert set(data["summary"]["batch1_x_floor"]) == {"ours", "ours-eager", "ours-torch", "ours-triton-gemv",
+                                                      "ours-sync"}
 
 
 def test_hf_baselines_and_the_ratios_against_them(dry_run):
@@ -120,7 +122,7 @@ def test_http_streams_report_latency_tails(dry_run):
 def test_profile_counts_ops_per_decode_step_for_each_variant(dry_run):
     _, data = dry_run
     rows = {r["variant"]: r for r in data["sections"]["profile"]["rows"]}
-    assert set(rows) == {"ours", "ours-eager", "ours-torch", "ours-triton-gemv"}
+    assert set(rows) == {"ours", "ours-eager", "ours-torch", "ours-triton-gemv", "ours-sync"}
     for r in rows.values():
         assert r["batch"] == data["meta"]["plan"]["profile_batch"] and r["aten_ops_per_step"] > 0
         assert r["launches_per_step"] == 0 and r["host_syncs_per_step"] == 0  # no CUDA calls on CPU

@@ -34,20 +34,20 @@ def install(mode: str) -> Callable[[], None]:
         raise ValueError(f"{ENV}: 'mock' or 'index', got {mode!r}")
     from serving.engine.executor import ModelExecutor
 
-    real = ModelExecutor._compute
+    real = ModelExecutor._launch
 
-    def compute(self, scheduled):
+    def launch(self, scheduled, *rest):
         bad = [item.seq for item in scheduled if poisoned(item.seq.prompt_token_ids)]
         if bad and mode == "mock":
             raise RuntimeError(MOCK_ERROR)
         for seq in bad:  # "index": past the API's validation, into the real forward
             seq.token_ids[0] = self.runner.vocab_size + 1000
-        return real(self, scheduled)
+        return real(self, scheduled, *rest)
 
-    ModelExecutor._compute = compute
+    ModelExecutor._launch = launch
 
     def undo() -> None:
-        ModelExecutor._compute = real
+        ModelExecutor._launch = real
 
     return undo
 

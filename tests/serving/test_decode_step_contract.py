@@ -145,9 +145,9 @@ def test_decode_graphs_give_the_tokens_of_the_eager_path_and_write_no_padding(on
     runs = Counter()
     replay = graphs.run
 
-    def counted(scheduled):
+    def counted(scheduled, *rest):
         runs[graphs.bucket(len(scheduled))] += 1
-        return replay(scheduled)
+        return replay(scheduled, *rest)
 
     graphs.run = counted
     caches = engine.runner.k_caches + engine.runner.v_caches
@@ -160,6 +160,31 @@ def test_decode_graphs_give_the_tokens_of_the_eager_path_and_write_no_padding(on
     used = engine.scheduler.bm._fresh  # blocks ever handed out: ids below; the rest were never owned
     for c in caches:
         assert torch.isnan(c[used:]).all()
+
+
+def test_with_a_step_in_flight_the_graph_reads_the_last_ids_on_the_device_and_each_step_waits_once(
+        one_layer_model_dir):
+    """Async scheduling: a decode row's input is the token the step in flight sampled, which the host has not
+    seen; the runner writes it into the graph's static ids on the device before the replay (a placeholder left
+    there fails the embedding lookup). Tokens equal the synchronous engine's, greedy and seeded; every decode step
+    still waits once and reads no device value on the host."""
+    prompts = _prompts(3, seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    runs = []
+    for mode in (False, True):
+        engine = _engine(one_layer_model_dir, async_scheduling=mode)
+        engine.runner.enable_decode_graphs("eager")
+        runs.append([o.token_ids for o in engine.generate(prompts, greedy)] +
+                    [o.token_ids for o in engine.generate(prompts, seeded)])
+        assert engine.num_steps_overlapped == (2 * 7 if mode else 0)  # two batches of eight steps, less the last
+    assert runs[1] == runs[0]
+    engine = _engine(one_layer_model_dir, async_scheduling=True)
+    recorder = _instrument(engine)
+    for rec in _decode_steps(engine, recorder, prompts, seeded, steps=3):
+        assert rec["waits"] == 1
+        syncs = Counter(op for op in rec["outside"] + rec["inside"] if op in HOST_SYNC_OPS)
+        assert not syncs, syncs
 
 
 def test_every_index_tensor_of_a_step_is_64_byte_aligned():

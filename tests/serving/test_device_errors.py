@@ -65,14 +65,14 @@ def engine(tiny_model_dir) -> LLMEngine:
 
 def test_the_step_raises_a_device_error_instead_of_isolating_it(engine, monkeypatch):
     """The executor re-runs a failed batch per sequence for any other error; a device error leaves the step."""
-    real = engine.executor.sampler
+    real = engine.executor.sampler.launch
 
-    def sampler(logits, seqs, *extra):  # injected fault: the device fails under request "poison"
+    def launch(logits, seqs, *extra):  # injected fault: the device fails under request "poison"
         if any(s.request_id == "poison" for s in seqs):
             raise torch.AcceleratorError(ASSERT_TEXT)
         return real(logits, seqs, *extra)
 
-    monkeypatch.setattr(engine.executor, "sampler", sampler)
+    monkeypatch.setattr(engine.executor.sampler, "launch", launch)
     engine.add_request("a", [10, 11, 12], GREEDY)
     engine.add_request("poison", [20, 21, 22], GREEDY)
     with pytest.raises(torch.AcceleratorError):

@@ -35,14 +35,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def test_a_sampler_fault_fails_only_the_faulty_request(engine):
     reference = _run(engine, {k: v for k, v in PROMPTS.items() if k != POISON}, GREEDY)
-    real_sampler = engine.executor.sampler
+    sampler = engine.executor.sampler
+    real_launch = sampler.launch
 
-    def faulty_sampler(logits, seqs, *extra):  # injected fault: this request's parameters "crash" the sampler
+    def faulty_launch(logits, seqs, *extra):  # injected fault: this request's parameters "crash" the sampler
         if any(s.request_id == POISON for s in seqs):
             raise ValueError("Overflow when unpacking long long")
-        return real_sampler(logits, seqs, *extra)
+        return real_launch(logits, seqs, *extra)
 
-    engine.executor.sampler = faulty_sampler
+    sampler.launch = faulty_launch
     done = _run(engine, PROMPTS, GREEDY)
     assert done[POISON].finish_reason == "error" and "Overflow" in done[POISON].error
     for rid in ("a", "b"):  # batch-mates finish exactly as they would have alone
@@ -50,7 +51,7 @@ def test_a_sampler_fault_fails_only_the_faulty_request(engine):
     stats = engine.stats()
     assert stats.num_running == 0 and stats.kv_usage == 0.0  # the failed request's blocks are free
     assert engine.requests_failed_total == 1
-    engine.executor.sampler = real_sampler  # and the engine serves on
+    sampler.launch = real_launch  # and the engine serves on
     assert _run(engine, {"c": [40, 41]}, GREEDY)["c"].error is None
 
 

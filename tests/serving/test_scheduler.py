@@ -28,9 +28,10 @@ def planned(out: SchedulerOutput) -> dict[str, int]:
 
 def execute(sched: Scheduler, out: SchedulerOutput, sampled_token: int = 1) -> list[RequestOutput]:
     """Stand-in for the executor: a sequence that finishes its prefill in this step samples ``sampled_token``;
-    the scheduler applies that as it applies a real step."""
+    the scheduler moves the plan on at its launch and applies the result as it does a real step's."""
     flags = [item.seq.num_computed_tokens + item.num_tokens == item.seq.num_tokens for item in out.scheduled]
     sampled = {i: (sampled_token, None) for i, flag in enumerate(flags) if flag}
+    sched.launched(out, flags)
     return sched.update_from_output(out, ModelOutput(flags, sampled=sampled))
 
 
@@ -133,6 +134,7 @@ def test_an_error_from_the_executor_fails_that_sequence_alone():
     sched.add(a)
     sched.add(b)
     out = sched.schedule()
+    sched.launched(out, [True, True])
     outs = sched.update_from_output(out, ModelOutput([True, True], sampled={1: (9, None)},
                                                       errors={0: RuntimeError("boom")}))
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "error"), ("b", False, None)]

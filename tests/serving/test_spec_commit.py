@@ -44,6 +44,7 @@ def _decoding(proposer: FixedGuesses, *prompts: list[int], **cfg) -> tuple[Sched
         sched.add(seq)
     plan = sched.schedule()
     assert not plan.drafted  # prefilling sequences get no guesses
+    sched.launched(plan, [True] * len(seqs))
     sched.update_from_output(plan, ModelOutput([True] * len(seqs), sampled={i: (5, None) for i in range(len(seqs))}))
     return sched, seqs
 
