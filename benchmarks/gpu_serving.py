@@ -847,7 +847,8 @@ def measure_http(report: Report, budget: Budget, plan: Plan, device: str, http_d
             async with httpx.AsyncClient(timeout=httpx.Timeout(300), limits=limits) as client:
                 warm = make_shapes(plan.http_streams, 98, plan.prompt_range, (4, 4))
                 await run_load(client, url, {}, make_prompts(warm, vocab, 98), warm, plan.http_streams)
-                names = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
+                names = ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+                         "vllm:engine_steps_total", "vllm:engine_steps_overlapped_total")
                 before = await scrape(client, url, names)
                 shapes = make_shapes(plan.http_requests, 7, plan.prompt_range, (plan.max_tokens, plan.max_tokens))
                 streams = await run_load(client, url, {}, make_prompts(shapes, vocab, 7), shapes, plan.http_streams)
@@ -856,6 +857,10 @@ def measure_http(report: Report, budget: Budget, plan: Plan, device: str, http_d
                 # client's: the difference is the API process and the client, not the engine
                 count = after[names[1]] - before[names[1]]
                 server = {"server_ttft_mean_ms": (after[names[0]] - before[names[0]]) / count * 1e3 if count else 0.0}
+                # the engine core's steps under this load, and the share whose wait came after the next launch
+                steps = after[names[2]] - before[names[2]]
+                server["engine_steps"] = steps
+                server["steps_overlapped_share"] = (after[names[3]] - before[names[3]]) / steps if steps else 0.0
                 # the same arrivals with one token each: admission and prefill alone, no streams to keep up with
                 first = make_shapes(plan.http_streams, 8, plan.prompt_range, (1, 1))
                 alone = await run_load(client, url, {}, make_prompts(first, vocab, 8), first, plan.http_streams)

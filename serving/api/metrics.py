@@ -55,6 +55,9 @@ class _EngineCollector:
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
+        yield counter("vllm:engine_steps", "Engine steps launched (forward passes).", s.num_steps)
+        yield counter("vllm:engine_steps_overlapped", "Engine steps waited for while the next one was already "
+                      "launched (async scheduling; their host work overlapped the device's).", s.num_steps_overlapped)
         yield counter("vllm:prompt_tokens", "Prompt tokens received.", s.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         # zero unless the server speculates (--speculative-tokens): dashboards need not special-case it

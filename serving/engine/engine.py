@@ -298,7 +298,7 @@ class LLMEngine:
                     on_finished(out)
 
     def stats(self) -> EngineStats:
-        return self.scheduler.make_stats(len(self._inbox), self.num_steps)
+        return self.scheduler.make_stats(len(self._inbox), self.num_steps, self.num_steps_overlapped)
 
     # ----------------------------------------------------------------- what callers read
     @property

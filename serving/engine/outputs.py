@@ -88,6 +88,7 @@ class EngineStats:
     generation_tokens_total: int
     requests_finished_total: int
     num_steps: int
+    num_steps_overlapped: int = 0  # steps waited for while the next was already launched (async scheduling)
     spec_draft_tokens_total: int = 0  # guessed tokens checked (speculative decoding)
     spec_accepted_tokens_total: int = 0  # guessed tokens the model agreed with
     spec_draft_cost_ratio: float = 0.0  # a draft pass's cost over a target step's, as measured (0: none yet)

@@ -340,7 +340,7 @@ class Scheduler:
         seq.finish_reason = "abort"
         return self.finish(seq)
 
-    def make_stats(self, num_queued: int, num_steps: int) -> EngineStats:
+    def make_stats(self, num_queued: int, num_steps: int, num_steps_overlapped: int = 0) -> EngineStats:
         """A snapshot for /metrics; ``num_queued`` requests wait in the engine's inbox, not here yet."""
         bm, spec = self.bm, self.speculator
         return EngineStats(num_running=len(self.running), num_waiting=len(self.waiting) + num_queued,
@@ -350,6 +350,7 @@ class Scheduler:
                            prompt_tokens_total=self.prompt_tokens_total,
                            generation_tokens_total=self.generation_tokens_total,
                            requests_finished_total=self.requests_finished_total, num_steps=num_steps,
+                           num_steps_overlapped=num_steps_overlapped,
                            spec_draft_tokens_total=spec.stats.drafted,
                            spec_accepted_tokens_total=spec.stats.accepted,
                            spec_draft_cost_ratio=spec.draft_cost_ratio, **self._lora_stats())

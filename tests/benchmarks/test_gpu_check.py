@@ -117,6 +117,7 @@ def test_http_streams_report_latency_tails(dry_run):
     assert r["streams"] == plan["http_streams"] and r["tokens"] == plan["http_requests"] * plan["max_tokens"]
     assert r["output_tok_s"] > 0 and r["tokenizer"] is True
     assert 0 < r["ttft_p50_ms"] <= r["ttft_p95_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p95_ms"]
+    assert r["engine_steps"] >= plan["max_tokens"] and r["steps_overlapped_share"] == 0  # CPU: async off
 
 
 def test_profile_counts_ops_per_decode_step_for_each_variant(dry_run):

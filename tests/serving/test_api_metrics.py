@@ -55,5 +55,6 @@ def test_metrics_parse_as_prometheus_text_and_are_all_documented(server):
     assert value["vllm:prompt_tokens_total"] >= 2
     assert value["vllm:e2e_request_latency_seconds_count"] >= 2
     assert value["vllm:num_requests_running"] == 0
+    assert value["vllm:engine_steps_total"] >= 4 and value["vllm:engine_steps_overlapped_total"] == 0  # CPU: sync
     success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples}
     assert sum(success.values()) >= 2
