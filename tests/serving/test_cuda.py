@@ -8,7 +8,8 @@ machine has (torch, transformers; no fastapi), so they drive the engine and its 
   it, with the one-line refusal of a context the cache cannot hold;
 - `--dtype auto` on this device;
 - a real device-side assert (an out-of-range token id reaching the embedding kernel) ending the engine-core
-  process with its device-error status instead of failing one request.
+  process with its device-error status instead of failing one request;
+- async scheduling (the default here) giving the tokens of one step at a time.
 """
 
 from __future__ import annotations
@@ -209,6 +210,24 @@ def test_graphs_eager_and_torch_attention_give_the_same_tokens_in_fp32(tiny_mode
         del engine, r
         gc.collect()
     assert outputs["graphs"] == outputs["eager"] == outputs["torch"]
+
+
+def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(tiny_model_dir, prompts):
+    """One step in flight, the GPU's default: each decode row reads the previous step's sampled id on the device
+    (into the graph's static ids before a replay). Greedy and seeded sampling in fp32, token for token what the
+    engine gives one step at a time, and every step but each batch's last waited for after the next was launched."""
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=MAX_NEW, ignore_eos=True)
+    outputs = {}
+    for mode in (None, False):
+        engine = LLMEngine.from_pretrained(tiny_model_dir, EngineConfig(device="cuda", dtype="float32",
+                                                                        num_blocks=512, async_scheduling=mode))
+        assert engine.async_scheduling is (mode is None) and engine.runner.graphs is not None
+        outputs[mode] = [o.token_ids for o in engine.generate(prompts, GREEDY)] + \
+            [o.token_ids for o in engine.generate(prompts, seeded)]
+        assert engine.num_steps_overlapped == (engine.num_steps - 2 if mode is None else 0)
+        del engine
+        gc.collect()
+    assert outputs[None] == outputs[False]
 
 
 def test_the_triton_gemv_gives_the_tokens_cublas_gives_in_fp32(tiny_model_dir, prompts, monkeypatch):
