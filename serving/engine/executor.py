@@ -51,22 +51,27 @@ class LaunchedStep:
                  verify_rows: list[int] | None = None, verify_pending: PendingReadback | None = None) -> None:
         self.scheduled = scheduled
         self.sample_flags = flags
-        self._output = output
+        self.output = output  # complete once ``result()`` has returned
         self._sample_rows = sample_rows or []
         self._pending = pending
         self._verify_rows = verify_rows or []
         self._verify_pending = verify_pending
         self._done = pending is None and verify_pending is None
+        self._source: tuple[object, dict[int, int]] | None = None
 
     def sampled_on_device(self) -> tuple[object, dict[int, int]] | None:
         """(the device tensor of sampled ids, ``id(seq)`` -> its row), or None when the ids are only on the host
-        (a batch re-run per sequence, or a step that sampled nothing)."""
+        (a batch re-run per sequence, or a step that sampled nothing). Built once: the engine and the next launch
+        both ask."""
         if self._pending is None:
             return None
-        return self._pending.token_ids, {id(self.scheduled[i].seq): j for j, i in enumerate(self._sample_rows)}
+        if self._source is None:
+            self._source = self._pending.token_ids, {id(self.scheduled[i].seq): j
+                                                     for j, i in enumerate(self._sample_rows)}
+        return self._source
 
     def result(self) -> ModelOutput:
-        out = self._output
+        out = self.output
         if self._done:
             return out
         self._done = True
@@ -103,7 +108,7 @@ class ModelExecutor:
             if is_device_error(exc):
                 raise
             return LaunchedStep(scheduled, flags, self._isolate(scheduled, flags, source, exc))
-        step._output.forward_seconds = time.perf_counter() - started
+        step.output.forward_seconds = time.perf_counter() - started
         return step
 
     def _launch(self, scheduled: list[ScheduledSeq], flags: list[bool],

@@ -35,6 +35,7 @@ class PinnedStaging:
     def _allocate(self, capacity: int) -> None:
         pin = self.device.type == "cuda"
         self.hosts = [torch.empty(capacity, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._arrays = [h.numpy() for h in self.hosts]  # made once: a step writes through them several times
         # a twin on CPU too: a field the upload misses then reads stale values in CPU tests, as it would on a GPU
         self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
 
@@ -45,7 +46,7 @@ class PinnedStaging:
     @property
     def array(self) -> np.ndarray:
         """The current host buffer as numpy (the view the step's fields are written into)."""
-        return self.host.numpy()
+        return self._arrays[self.current]
 
     def flip(self) -> None:
         """Write the next step into the other host buffer (the one the step before last used)."""
