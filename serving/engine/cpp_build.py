@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LLM_LIFECYCLE_CPU_KERNELS"  # "0" keeps the pure-torch ops
+FLAGS_ENV = "LLM_LIFECYCLE_CPU_KERNELS_FLAGS"  # extra compiler flags, e.g. "-mno-avx512f"
 CSRC = Path(__file__).with_name("csrc")
 
 
@@ -52,13 +54,19 @@ def _torch_install() -> str:
     return f"{torch.__version__}\0{Path(torch.__file__).parent}"
 
 
+def extra_flags() -> list[str]:
+    """The compiler flags ``LLM_LIFECYCLE_CPU_KERNELS_FLAGS`` adds (split as a shell would)."""
+    return shlex.split(os.environ.get(FLAGS_ENV, ""))
+
+
 def build_tag(files: Sequence[Path]) -> str:
     """Short hash of this CPU's flags, the torch it builds against, and each file's path and bytes: the build
     cache key besides the extension's name. The path, because ninja's build file names the sources by absolute
     path: two checkouts sharing one environment (a `git worktree` beside the main one) otherwise shared one build
     directory and rebuilt it, under the lock, each time the other one loaded (~90 s of compile on 2 cores,
     seen as replicas taking 100 s to start in `benchmarks/serve_start.py --tree`)."""
-    digest = hashlib.sha1(_cpu_flags().encode() + b"\0" + _torch_install().encode())
+    digest = hashlib.sha1(_cpu_flags().encode() + b"\0" + _torch_install().encode()
+                          + b"\0" + " ".join(extra_flags()).encode())
     for f in files:
         digest.update(b"\0" + str(Path(f).resolve()).encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:10]
@@ -115,7 +123,8 @@ def build(name: str, source: Path, includes: Sequence[Path] = ()) -> ModuleType 
         try:
             with exclusive_build(build_dir):
                 module = load(module_name, sources=[str(source)], build_directory=str(build_dir),
-                              extra_cflags=["-O3", "-march=native", *cflags], extra_ldflags=ldflags)
+                              extra_cflags=["-O3", "-march=native", *extra_flags(), *cflags],
+                              extra_ldflags=ldflags)
         except Exception as e:  # any build or load failure: try the next flags, then the torch path
             log.warning("CPU kernels %s did not build with %s (%s: %s)", name, " ".join(cflags),
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")

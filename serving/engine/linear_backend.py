@@ -12,6 +12,8 @@ Why three: each was the fastest somewhere, measured one projection at a time thr
   oneDNN's time: 0.57-0.61x at one row, 0.46-0.51x at 16 rows, 0.81-0.86x at 64; at 512 rows (prefill chunks)
   0.99-1.24x, a cost paid once per prompt against a gain on every token (``benchmarks/cpu_gemm.py``; RESULTS.md,
   "Batch-1 decode", AMD).
+  Where the build has AVX-512 (AMD Zen 4) the tiles are 16 columns and the register blocks up to 12 rows: 0.85-0.88x
+  the 8-lane kernel's time from 16 to 512 rows, 0.95-0.99x at one row (RESULTS.md, "On AMD with AVX-512").
 - **oneDNN** elsewhere: bf16 where it supports it, fp32 when the kernels cannot be built (no compiler, no AVX2,
   ``LLM_LIFECYCLE_CPU_KERNELS=0``).
 

@@ -4,10 +4,17 @@ and plain F.linear; and the choice follows the CPU and the override."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from artifacts.common.host import cpuinfo_field
+from serving.engine import cpp_build
 from serving.engine.compact_llama import DenseLinear
 from serving.engine.linear_backend import GEMM_ENV, cpu_vendor, mkl_packed_works, tiled_kernels
 
@@ -34,12 +41,13 @@ def test_linear_matches_f_linear(bias, backend):
 
 
 @pytest.mark.skipif(tiled_kernels() is None, reason="no AVX2 + FMA kernels")
-@pytest.mark.parametrize("rows", [1, 2, 6, 7, 95, 97, 300])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 16, 23, 95, 97, 300])
 @pytest.mark.parametrize("out_features, in_features", [(8, 3), (40, 33), (100, 513), (17, 1), (1, 5), (272, 64)])
 def test_tiled_linear_at_every_edge(rows, out_features, in_features):
-    """The tiled kernel's edges: output columns not a multiple of its 16-column pairs (the padded tail goes through a
-    scratch block), one row (four tiles at once, the last group of two), row blocks of 6 and 96 with remainders,
-    inputs longer than one K block of 256, and leading dimensions folded into rows."""
+    """The tiled kernel's edges: output columns not a multiple of its tile pairs (the padded tail goes through a
+    scratch block), one row (four tiles at once, the last group of two), register blocks of up to 6 rows (AVX2) or
+    12 (AVX-512) with the rows split into equal passes (13, 16, 23), panels from 24 rows and work items of 96, with
+    remainders, inputs longer than one K block of 256, and leading dimensions folded into rows."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features, generator=g)
     lin = DenseLinear(w, None, "tiled")
@@ -48,6 +56,35 @@ def test_tiled_linear_at_every_edge(rows, out_features, in_features):
     x3 = torch.randn(2, rows, in_features, generator=g)
     torch.testing.assert_close(lin(x3), F.linear(x3, w), rtol=1e-4, atol=1e-4 * in_features ** 0.5)
 
+
+
+EDGES_IN_A_SUBPROCESS = """
+import torch, torch.nn.functional as F
+from serving.engine.compact_llama import DenseLinear
+from serving.engine.linear_backend import tiled_kernels
+print("lanes", tiled_kernels().tiled_pack(torch.randn(3, 2)).shape[2])
+g = torch.Generator().manual_seed(0)
+for rows in (1, 2, 6, 7, 13, 16, 95, 97, 300):
+    for n, k in ((8, 3), (40, 33), (100, 513), (17, 1), (272, 64)):
+        w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+        torch.testing.assert_close(DenseLinear(w, None, "tiled")(x), F.linear(x, w), rtol=1e-4, atol=1e-4 * k ** 0.5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(tiled_kernels() is None or "avx512f" not in cpuinfo_field("flags").split(),
+                    reason="the native build is the AVX2 one here (the tests above cover it)")
+def test_the_avx2_tiles_on_an_avx512_host():
+    """The tiled GEMM has two vector widths in one source (16-lane tiles with AVX-512, 8-lane with AVX2); the tests
+    above run the host's. Here the kernels are built without AVX-512 (``LLM_LIFECYCLE_CPU_KERNELS_FLAGS``, a real
+    compile in a fresh process) and held to F.linear at the same edges, so the AVX2 hosts' path stays checked from
+    an AVX-512 one."""
+    env = {**os.environ, cpp_build.FLAGS_ENV: "-mno-avx512f"}
+    done = subprocess.run([sys.executable, "-c", EDGES_IN_A_SUBPROCESS], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["lanes", "8", "ok"]
+    assert tiled_kernels().tiled_pack(torch.randn(3, 2)).shape[2] == 16  # this process: the native AVX-512 tiles
 
 def test_the_gemm_library_follows_the_cpu_and_the_override(monkeypatch):
     w = torch.randn(16, 8)

@@ -102,3 +102,15 @@ def test_a_build_killed_mid_compile_does_not_block_the_next(monkeypatch, tmp_pat
     module = cpp_build.build(name, source)
     assert module is not None and module.answer() == 42
     assert not (build_dir / "lock").exists()
+
+
+def test_the_cache_key_follows_the_extra_compiler_flags(tmp_path, monkeypatch):
+    """``LLM_LIFECYCLE_CPU_KERNELS_FLAGS=-mno-avx512f`` builds other code from the same files (the AVX2 kernels on an
+    AVX-512 host): it must not be handed the cached native build, nor overwrite it."""
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }\n")
+    monkeypatch.delenv(cpp_build.FLAGS_ENV, raising=False)
+    tag = cpp_build.build_tag([source])
+    monkeypatch.setenv(cpp_build.FLAGS_ENV, "-mno-avx512f")
+    assert cpp_build.extra_flags() == ["-mno-avx512f"]
+    assert cpp_build.build_tag([source]) != tag
