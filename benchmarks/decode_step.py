@@ -2,10 +2,11 @@
 
 Builds the engine's ModelRunner on the serving-benchmark model, fills the KV cache with noise, gives B
 sequences random contexts (uniform in --ctx, blocks scattered over the cache like a busy engine's) and
-times ``ModelRunner.execute`` (prepare + forward + logits) in three variants, alternated: "torch" (no
-C++ kernels: bucketed gather + SDPA, F.rms_norm), "attn" (the paged decode kernel only) and "all"
-(plus the fused residual add + RMSNorm and the rotary kernel); median of --iters per run, best of
---runs. 1 thread unless --threads.
+times ``ModelRunner.execute`` (prepare + forward + logits) in four variants, alternated: "torch" (no
+C++ kernels: bucketed gather + SDPA, F.rms_norm), "attn" (the paged decode kernel only), "all"
+(plus the fused residual add + RMSNorm and the rotary kernel, the layers looped in Python) and "one-call"
+(the same kernels, every layer in one ``llama_layers`` call); median of --iters per run, best of --runs.
+1 thread unless --threads.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_step.py --batch 16 48 64
 """
@@ -74,22 +75,22 @@ def main() -> None:
     for c in runner.k_caches + runner.v_caches:
         c.normal_()
     kernels = runner.compact.kernels
-    variants = {"torch": (None, None), "attn": (runner.decode_kernel, None),
-                "all": (runner.decode_kernel, kernels)}
+    variants = {"torch": (None, None, False), "attn": (runner.decode_kernel, None, False),
+                "all": (runner.decode_kernel, kernels, False), "one-call": (runner.decode_kernel, kernels, True)}
     if kernels is None:
         print("CPU kernels unavailable: timing the torch path only")
-        variants = {"torch": (None, None)}
+        variants = {"torch": (None, None, False)}
     for b in args.batch:
         sched = decode_batch(runner, b, tuple(args.ctx), seed=b)
         flags = [True] * b
         res: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(args.runs):
-            for name, (attn, norm) in variants.items():
-                runner.decode_kernel, runner.compact.kernels = attn, norm
+            for name, (attn, norm, one_call) in variants.items():
+                runner.decode_kernel, runner.compact.kernels, runner.compact.fused_layers = attn, norm, one_call
                 res[name].append(median_ms(lambda s=sched, f=flags: runner.execute(s, f), args.iters))
         print(f"B={b} ctx {args.ctx[0]}-{args.ctx[1]}: " + "  ".join(
             f"{n} {min(v):.1f} ms/step (runs {' '.join(f'{x:.1f}' for x in v)})" for n, v in res.items()))
-    runner.decode_kernel, runner.compact.kernels = variants[list(variants)[-1]]
+    runner.decode_kernel, runner.compact.kernels, runner.compact.fused_layers = variants[list(variants)[-1]]
 
 
 if __name__ == "__main__":

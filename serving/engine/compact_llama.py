@@ -236,6 +236,11 @@ class CompactLlama:
         # each serves (set by the runner for a step with an adapter in it; None runs the base path untouched)
         self.lora_slots: LoraSlots | None = None
         self.lora_batch: LoraBatch | None = None
+        # every layer in one C++ call (``cpu_kernels``' ``llama_layers``) where it can run; False keeps the Python
+        # loop below (the A/B in benchmarks/decode_step.py)
+        self.fused_layers = True
+        self.fused_steps = 0  # forwards that ran as one call
+        self._stack: tuple[list[torch.Tensor], list[float]] | None | bool = False  # False: not worked out yet
 
     def lora_layout(self) -> tuple[dict[str, list[int]], dict[str, int]]:
         """Output sizes of each fused projection's parts, and each fused projection's input size (LoraSlots)."""
@@ -300,6 +305,35 @@ class CompactLlama:
         self.rope_and_store = rope_and_store
         self.norm_kernels = norm
 
+    def _layer_stack(self) -> tuple[list[torch.Tensor], list[float]] | None:
+        """The per-layer weights and epsilons ``llama_layers`` takes (ln1, qkv, o, ln2, gate_up, down; eps1, eps2),
+        or None where it cannot run: fp32 weights that are all bias-free tiled projections (not MKL or oneDNN
+        packing, 4-bit codes, or a Qwen2-style qkv bias), and kernels built with it. Worked out once."""
+        if self._stack is False:
+            tiled = all(isinstance(p, DenseLinear) and p.backend == "tiled" and p.bias is None
+                        for p in self.projections)
+            ok = tiled and self.embed.dtype == torch.float32 and self.kernels is not None \
+                and hasattr(self.kernels, "llama_layers")
+            self._stack = ([t for L in self.layers for t in (L.ln1, L.qkv.weight, L.o.weight, L.ln2,
+                                                              L.gate_up.weight, L.down.weight)],
+                           [e for L in self.layers for e in (L.eps1, L.eps2)]) if ok else None
+        return self._stack
+
+    def _fused_stack(self, meta: AttentionMetadata, num_rows: int) -> tuple[list[torch.Tensor], list[float]] | None:
+        """The layer stack when this step can run as one ``llama_layers`` call: the C++ kernels on, no adapter in
+        the step, and attention wholly on the C++ kernels (decodes on ``paged_decode``, every other row on
+        ``paged_prefill``, the K/V stored by the call itself); else None, and the Python loop runs."""
+        kernels = self.kernels
+        if not self.fused_layers or kernels is None or self.lora_batch is not None:
+            return None
+        if meta.store_kv is not None or meta.kv_stored or meta.decode_groups or meta.prefills:
+            return None
+        if meta.num_decode and meta.decode_kernel is not kernels.paged_decode:
+            return None
+        if num_rows > meta.num_decode and meta.prefill_kernel is not kernels.paged_prefill:
+            return None
+        return self._layer_stack()
+
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                   eps: float) -> torch.Tensor:
         """``h += delta`` in place (the residual stream), then RMSNorm(h) as a new tensor."""
@@ -325,7 +359,16 @@ class CompactLlama:
         cos, sin = (self.cos[positions], self.sin[positions]) if table_rope else (None, None)
         rope_positions = positions.long() if self.kernels is not None else None  # the C++ rope takes int64
         delta = None
-        for i, L in enumerate(self.layers):
+        stack = None if fused_rope else self._fused_stack(meta, t)
+        if stack is not None:
+            weights, eps = stack
+            self.fused_steps += 1
+            delta = self.kernels.llama_layers(
+                h, weights, eps, meta.k_caches, meta.v_caches, rope_positions, self.cos, self.sin, self.num_heads,
+                self.kv_heads, self.intermediate, self.scaling, meta.slot_mapping, meta.num_decode,
+                meta.decode_block_tables, meta.decode_lens, meta.prefill_block_tables, meta.prefill_row_starts,
+                meta.prefill_first_pos)
+        for i, L in enumerate(self.layers if stack is None else ()):
             x = self._add_norm(h, delta, L.ln1, L.eps1)
             qkv = self._lora(i, "qkv", L.qkv(x), x)
             v = qkv[:, self.q_size + self.kv_size:].view(t, self.kv_heads, self.head_dim)

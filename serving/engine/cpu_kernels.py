@@ -33,11 +33,14 @@ adapters' shrink and expand per row, reading only each part's own block of the b
 ``tiled_pack`` / ``tiled_linear``: the fp32 projections' GEMM on CPUs where it beats the libraries
 (``linear_backend`` chooses; ``csrc/tiled_gemm.cpp`` describes the layout and the two paths, one row and many).
 
+``llama_layers``: every decoder layer of a step through the kernels above in one call from Python, where all the
+projections are tiled (``CompactLlama`` decides per step; ``csrc/llama_layers.cpp`` says what it saves).
+
 All of them split their work over threads with ``at::parallel_for``. The C++ is in ``csrc/``:
 ``paged_decode.cpp``, ``paged_prefill.cpp``, ``elementwise.cpp`` (add_rms_norm, silu_mul, rope),
-``tiled_gemm.cpp``, the shared 16-lane helpers in ``vec16.h``, and ``cpu_kernels.cpp``, which includes them (one
-translation unit: torch's headers are parsed once) and binds the functions ``cpu_kernels.h`` declares; compiled by
-``cpp_build.build`` when a C++ compiler is present. ``load()`` returns None, and the engine keeps the torch ops,
+``tiled_gemm.cpp``, ``lora.cpp``, ``llama_layers.cpp``, the shared 16-lane helpers in ``vec16.h``, and
+``cpu_kernels.cpp``, which includes them (one translation unit: torch's headers are parsed once) and binds the
+functions ``cpu_kernels.h`` declares; compiled by ``cpp_build.build`` when a C++ compiler is present. ``load()`` returns None, and the engine keeps the torch ops,
 when there is no compiler, the build fails, or ``LLM_LIFECYCLE_CPU_KERNELS=0``.
 """
 
@@ -57,7 +60,8 @@ PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # head sizes paged_prefill is compiled fo
 # the extension: one translation unit, and the files it includes (their bytes go into the build cache key)
 SOURCE = cpp_build.CSRC / "cpu_kernels.cpp"
 INCLUDES = tuple(cpp_build.CSRC / f for f in ("paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp",
-                                              "tiled_gemm.cpp", "lora.cpp", "cpu_kernels.h", "vec16.h"))
+                                              "tiled_gemm.cpp", "lora.cpp", "llama_layers.cpp", "cpu_kernels.h",
+                                              "vec16.h"))
 
 _kernels: ModuleType | None = None
 _tried = False
@@ -68,7 +72,8 @@ def load() -> ModuleType | None:
     out)``, ``paged_prefill(q, k_cache, v_cache, block_tables, row_starts, first_pos, scale, out)``,
     ``add_rms_norm(h, delta_or_None, weight, eps, out)``, ``rope(qkv, positions, cos, sin, nq, nk,
     q_out, k_out)``, ``silu_mul(gu, out)``, ``tiled_pack(w)``, ``tiled_linear(x, tiles, out)``,
-    ``tiled_gemm_available()`` and ``lora_add(out, x, A, B, row_slots, parts, rank)``."""
+    ``tiled_gemm_available()``, ``lora_add(out, x, A, B, row_slots, parts, rank)`` and ``llama_layers(...)``
+    (every decoder layer in one call; ``csrc/llama_layers.cpp`` gives its arguments)."""
     global _kernels, _tried
     if not _tried:
         _tried = True

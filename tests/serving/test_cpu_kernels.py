@@ -212,3 +212,49 @@ def test_silu_mul_equals_torch(rows, inner):
     kernels.silu_mul(gu, out)
     gate, up = gu.chunk(2, dim=-1)
     assert torch.allclose(out, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [16, 4], ids=["prefill-kernel", "prefill-sdpa"])
+def test_every_layer_in_one_call_gives_the_python_loops_tokens_and_logprobs(gqa4_model_dir, block_size, monkeypatch):
+    """``llama_layers`` runs the decoder layers in one C++ call where every projection is tiled (forced here: on
+    Intel CPUs the automatic choice is MKL). The same requests, with the one call and with the layers looped in
+    Python, give the same tokens and the same logprobs to the bit (the same kernels in the same order), and HF's
+    greedy tokens. With block size 16 every step runs as one call (prefill chunks, prefix context, decodes); with
+    block size 4 the prefill chunks take SDPA, so only decode-only steps can, and a step mixing both loops."""
+    from transformers import AutoModelForCausalLM
+
+    from serving.engine.linear_backend import GEMM_ENV, tiled_kernels
+
+    if kernel is None or tiled_kernels() is None:
+        pytest.skip("CPU kernels or the tiled GEMM not built")
+    monkeypatch.setenv(GEMM_ENV, "tiled")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(7, 400) for _ in range(rng.randint(2, 70))] for _ in range(8)]
+    prompts[1] = prompts[0][:40] + [9, 10]  # shares cached blocks with the first: a chunk with prefix context
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+
+    def run(one_call: bool) -> tuple[list, int, int]:
+        """A fresh engine each time: a second run in one engine would find the first one's prompts cached."""
+        engine = LLMEngine.from_pretrained(gqa4_model_dir, EngineConfig(num_blocks=128, block_size=block_size,
+                                                                        max_num_batched_tokens=32))
+        compact = engine.runner.compact
+        assert {p.backend for p in compact.projections} == {"tiled"}
+        compact.fused_layers = one_call
+        outs = engine.generate(prompts, params)
+        return outs, compact.fused_steps, engine.stats().num_steps
+
+    fused, fused_steps, steps = run(True)
+    looped, looped_steps, _ = run(False)
+    assert looped_steps == 0
+    if block_size == 16:
+        assert fused_steps == steps
+    else:
+        assert 0 < fused_steps < steps
+    for a, b in zip(fused, looped, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs and a.outputs[0].logprobs
+    hf = AutoModelForCausalLM.from_pretrained(gqa4_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p, o in zip(prompts, fused, strict=True):
+            g = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert o.token_ids == g[0, len(p):].tolist()

@@ -12,6 +12,7 @@
 #include "paged_prefill.cpp"
 #include "tiled_gemm.cpp"
 #include "lora.cpp"
+#include "llama_layers.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", torch::wrap_pybind_function(paged_decode), "paged_decode");
@@ -22,5 +23,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_gemm_available", &tiled_gemm_available, "tiled_gemm_available");
   m.def("tiled_pack", torch::wrap_pybind_function(tiled_pack), "tiled_pack");
   m.def("tiled_linear", torch::wrap_pybind_function(tiled_linear), "tiled_linear");
+  m.def("llama_layers", torch::wrap_pybind_function(llama_layers), "llama_layers");
   m.def("lora_add", torch::wrap_pybind_function(lora_add), "lora_add");
 }
