@@ -40,8 +40,9 @@ All of them split their work over threads with ``at::parallel_for``. The C++ is 
 ``paged_decode.cpp``, ``paged_prefill.cpp``, ``elementwise.cpp`` (add_rms_norm, silu_mul, rope),
 ``tiled_gemm.cpp``, ``lora.cpp``, ``llama_layers.cpp``, the shared 16-lane helpers in ``vec16.h``, and
 ``cpu_kernels.cpp``, which includes them (one translation unit: torch's headers are parsed once) and binds the
-functions ``cpu_kernels.h`` declares; compiled by ``cpp_build.build`` when a C++ compiler is present. ``load()`` returns None, and the engine keeps the torch ops,
-when there is no compiler, the build fails, or ``LLM_LIFECYCLE_CPU_KERNELS=0``.
+functions ``cpu_kernels.h`` declares; compiled by ``cpp_build.build`` when a C++ compiler is present. ``load()``
+returns None, and the engine keeps the torch ops, when there is no compiler, the build fails, or
+``LLM_LIFECYCLE_CPU_KERNELS=0``.
 """
 
 from __future__ import annotations
