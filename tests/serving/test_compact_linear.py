@@ -59,32 +59,47 @@ def test_tiled_linear_at_every_edge(rows, out_features, in_features):
 
 
 EDGES_IN_A_SUBPROCESS = """
-import torch, torch.nn.functional as F
+import sys, torch, torch.nn.functional as F
 from serving.engine.compact_llama import DenseLinear
 from serving.engine.linear_backend import tiled_kernels
 print("lanes", tiled_kernels().tiled_pack(torch.randn(3, 2)).shape[2])
 g = torch.Generator().manual_seed(0)
+outputs = []
 for rows in (1, 2, 6, 7, 13, 16, 95, 97, 300):
     for n, k in ((8, 3), (40, 33), (100, 513), (17, 1), (272, 64)):
         w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
-        torch.testing.assert_close(DenseLinear(w, None, "tiled")(x), F.linear(x, w), rtol=1e-4, atol=1e-4 * k ** 0.5)
+        outputs.append(DenseLinear(w, None, "tiled")(x))
+        torch.testing.assert_close(outputs[-1], F.linear(x, w), rtol=1e-4, atol=1e-4 * k ** 0.5)
+torch.save(outputs, sys.argv[1])
 print("ok")
 """
 
 
 @pytest.mark.skipif(tiled_kernels() is None or "avx512f" not in cpuinfo_field("flags").split(),
                     reason="the native build is the AVX2 one here (the tests above cover it)")
-def test_the_avx2_tiles_on_an_avx512_host():
+def test_the_avx2_tiles_on_an_avx512_host_give_the_same_bits(tmp_path):
     """The tiled GEMM has two vector widths in one source (16-lane tiles with AVX-512, 8-lane with AVX2); the tests
     above run the host's. Here the kernels are built without AVX-512 (``LLM_LIFECYCLE_CPU_KERNELS_FLAGS``, a real
     compile in a fresh process) and held to F.linear at the same edges, so the AVX2 hosts' path stays checked from
-    an AVX-512 one."""
+    an AVX-512 one; and their outputs equal this process's 16-lane ones to the bit (each output sums its k in the
+    same order on both widths), so the width cannot move what a model computes from one host to the next."""
     env = {**os.environ, cpp_build.FLAGS_ENV: "-mno-avx512f"}
-    done = subprocess.run([sys.executable, "-c", EDGES_IN_A_SUBPROCESS], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).resolve().parents[2])
+    saved = tmp_path / "avx2.pt"
+    done = subprocess.run([sys.executable, "-c", EDGES_IN_A_SUBPROCESS, str(saved)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["lanes", "8", "ok"]
     assert tiled_kernels().tiled_pack(torch.randn(3, 2)).shape[2] == 16  # this process: the native AVX-512 tiles
+    avx2 = torch.load(saved)
+    g = torch.Generator().manual_seed(0)
+    native = []
+    for rows in (1, 2, 6, 7, 13, 16, 95, 97, 300):
+        for n, k in ((8, 3), (40, 33), (100, 513), (17, 1), (272, 64)):
+            w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+            native.append(DenseLinear(w, None, "tiled")(x))
+    assert len(avx2) == len(native) == 45
+    assert all(torch.equal(a, b) for a, b in zip(avx2, native, strict=True))
+
 
 def test_the_gemm_library_follows_the_cpu_and_the_override(monkeypatch):
     w = torch.randn(16, 8)
