@@ -127,10 +127,18 @@ def build(name: str, source: Path, includes: Sequence[Path] = ()) -> ModuleType 
                               extra_ldflags=ldflags)
         except Exception as e:  # any build or load failure: try the next flags, then the torch path
             log.warning("CPU kernels %s did not build with %s (%s: %s)", name, " ".join(cflags),
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                        type(e).__name__, _compiler_error(str(e)))
             continue
         if suffix:
             log.warning("CPU kernels %s built without OpenMP: they run on one thread", name)
         return module
-    log.warning("CPU kernels %s unavailable; torch ops are used", name)
+    added = f" ({FLAGS_ENV}={' '.join(extra_flags())} was added to the build: check it)" if extra_flags() else ""
+    log.warning("CPU kernels %s unavailable; torch ops are used%s", name, added)
     return None
+
+
+def _compiler_error(message: str) -> str:
+    """The compiler's first ``error:`` line of a failed build's output, else the output's first line: the first line
+    alone is the command that failed, which says nothing of why."""
+    lines = message.splitlines()
+    return next((line.strip() for line in lines if "error:" in line), lines[0] if lines else "")

@@ -114,3 +114,19 @@ def test_the_cache_key_follows_the_extra_compiler_flags(tmp_path, monkeypatch):
     monkeypatch.setenv(cpp_build.FLAGS_ENV, "-mno-avx512f")
     assert cpp_build.extra_flags() == ["-mno-avx512f"]
     assert cpp_build.build_tag([source]) != tag
+
+
+def test_a_bad_extra_flag_leaves_the_torch_path_with_the_compilers_reason(tmp_path, monkeypatch, caplog):
+    """A flag the compiler rejects fails the build (the torch ops run instead), and the warnings say why, in the
+    compiler's words, and which setting put the flag there, not just the command line that failed."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv(cpp_build.FLAGS_ENV, "-mno-such-flag-anywhere")
+    with caplog.at_level("WARNING", logger="serving.engine.cpp_build"):
+        assert cpp_build.build("flag_check", source) is None
+    text = caplog.text
+    assert "error:" in text and "-mno-such-flag-anywhere" in text
+    assert f"{cpp_build.FLAGS_ENV}=-mno-such-flag-anywhere was added to the build" in text
