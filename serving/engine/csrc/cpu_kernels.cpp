@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiled_gemm_available", &tiled_gemm_available, "tiled_gemm_available");
   m.def("tiled_pack", torch::wrap_pybind_function(tiled_pack), "tiled_pack");
   m.def("tiled_linear", torch::wrap_pybind_function(tiled_linear), "tiled_linear");
-  m.def("llama_layers", torch::wrap_pybind_function(llama_layers), "llama_layers");
+  // every layer of a step (up to tens of ms for a prefill chunk) with the GIL released, as torch's own ops run: an
+  // engine in a thread of the API process (--no-engine-process) keeps its event loop meanwhile
+  m.def("llama_layers", torch::wrap_pybind_function_no_gil(llama_layers), "llama_layers");
   m.def("lora_add", torch::wrap_pybind_function(lora_add), "lora_add");
 }
