@@ -58,19 +58,27 @@ def test_tiled_linear_at_every_edge(rows, out_features, in_features):
 
 
 
+def tiled_at_the_edges() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(x, w, the tiled GEMM's x @ w.T) over row counts and shapes at the kernel's edges, from a fixed seed: the
+    same inputs in every process, whichever vector width its kernels were built for."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for rows in (1, 2, 6, 7, 13, 16, 95, 97, 300):
+        for n, k in ((8, 3), (40, 33), (100, 513), (17, 1), (272, 64)):
+            w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+            out.append((x, w, DenseLinear(w, None, "tiled")(x)))
+    return out
+
+
 EDGES_IN_A_SUBPROCESS = """
 import sys, torch, torch.nn.functional as F
-from serving.engine.compact_llama import DenseLinear
 from serving.engine.linear_backend import tiled_kernels
+from tests.serving.test_compact_linear import tiled_at_the_edges
 print("lanes", tiled_kernels().tiled_pack(torch.randn(3, 2)).shape[2])
-g = torch.Generator().manual_seed(0)
-outputs = []
-for rows in (1, 2, 6, 7, 13, 16, 95, 97, 300):
-    for n, k in ((8, 3), (40, 33), (100, 513), (17, 1), (272, 64)):
-        w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
-        outputs.append(DenseLinear(w, None, "tiled")(x))
-        torch.testing.assert_close(outputs[-1], F.linear(x, w), rtol=1e-4, atol=1e-4 * k ** 0.5)
-torch.save(outputs, sys.argv[1])
+cases = tiled_at_the_edges()
+for x, w, y in cases:
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4 * x.shape[1] ** 0.5)
+torch.save([y for _, _, y in cases], sys.argv[1])
 print("ok")
 """
 
@@ -91,12 +99,7 @@ def test_the_avx2_tiles_on_an_avx512_host_give_the_same_bits(tmp_path):
     assert done.stdout.split() == ["lanes", "8", "ok"]
     assert tiled_kernels().tiled_pack(torch.randn(3, 2)).shape[2] == 16  # this process: the native AVX-512 tiles
     avx2 = torch.load(saved)
-    g = torch.Generator().manual_seed(0)
-    native = []
-    for rows in (1, 2, 6, 7, 13, 16, 95, 97, 300):
-        for n, k in ((8, 3), (40, 33), (100, 513), (17, 1), (272, 64)):
-            w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
-            native.append(DenseLinear(w, None, "tiled")(x))
+    native = [y for _, _, y in tiled_at_the_edges()]
     assert len(avx2) == len(native) == 45
     assert all(torch.equal(a, b) for a, b in zip(avx2, native, strict=True))
 
