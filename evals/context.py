@@ -38,12 +38,13 @@ class EvalContext:
             self._files[filename] = read_jsonl(self.data_dir / filename, required, check)
         return take_stratified(self._files[filename], self.config.max_examples, stratify)
 
-    def generate(self, prompts: list[str], desc: str) -> list[Generation]:
-        """Greedy replies to templated prompts; prompts seen before in this run are not generated again."""
+    def generate(self, prompts: list[str], desc: str, min_new_tokens: int = 0) -> list[Generation]:
+        """Greedy replies to templated prompts, each up to ``max_new_tokens`` (or ``min_new_tokens``, where a suite's
+        replies are longer than a plain task's); prompts seen before in this run are not generated again."""
         todo = list(dict.fromkeys(p for p in prompts if p not in self._replies))
         if todo:
             c = self.config
-            fresh = generate_replies(self.lm, todo, c.max_new_tokens, c.batch_size, desc=desc)
+            fresh = generate_replies(self.lm, todo, max(c.max_new_tokens, min_new_tokens), c.batch_size, desc=desc)
             self._replies.update(zip(todo, fresh, strict=True))
         return [self._replies[p] for p in prompts]
 
@@ -58,13 +59,16 @@ class EvalContext:
             self._samples.update((p, flat[i * k:(i + 1) * k]) for i, p in enumerate(todo))
         return [self._samples[p] for p in prompts]
 
-    def generate_constrained(self, prompts: list[str], schemas: list[dict[str, Any]], desc: str) -> list[Generation]:
-        """Greedy replies to templated prompts, each constrained to its JSON schema; cached by (prompt, schema)."""
+    def generate_constrained(self, prompts: list[str], schemas: list[dict[str, Any]], desc: str,
+                             min_new_tokens: int = 0) -> list[Generation]:
+        """Greedy replies to templated prompts, each constrained to its JSON schema (its room as in
+        :meth:`generate`); cached by (prompt, schema)."""
         keys = [(p, json.dumps(s)) for p, s in zip(prompts, schemas, strict=True)]  # key order kept: it orders replies
         todo = list(dict.fromkeys(k for k in keys if k not in self._constrained))
         if todo:
             c = self.config
-            fresh = generate_replies(self.lm, [p for p, _ in todo], c.max_new_tokens, c.batch_size, desc=desc,
+            fresh = generate_replies(self.lm, [p for p, _ in todo], max(c.max_new_tokens, min_new_tokens),
+                                     c.batch_size, desc=desc,
                                      schemas=[json.loads(s) for _, s in todo])
             self._constrained.update(zip(todo, fresh, strict=True))
         return [self._constrained[k] for k in keys]

@@ -1,13 +1,23 @@
 """The JSON reply contract: a held-out task asked for a JSON answer, and how such a reply is scored. Pure, no torch.
 
-One implementation for the ``structured`` eval suite (``evals.suites.structured``) and the rollout's structured
-probes (``serving.rollout.probes``), as ``evals.scoring`` is for plain replies: a reply cannot be valid for one
-and invalid for the other.
+One implementation for the ``structured`` eval suite (``evals.suites.structured``), the rollout's structured
+probes (``serving.rollout.probes``) and the SFT chats that teach the format (``training.data``), as
+``evals.scoring`` is for plain replies: a reply cannot be valid for one and invalid for another.
 
-The task is the held-out task itself; the reply is one object ``{"answer": X}``, X an integer where the reference
-answer is one (a sum), else a string. The bounds keep a grammar from letting a model write digits or letters until
-``max_tokens`` cuts the reply (a cut reply is no answer): 12 digits is more than any embedded task needs, and a
-string may be twice the reference's length (at least 16 characters).
+The task is the held-out task itself. Where the reference answer is an integer (a sum), the reply is
+``{"work":["7+8=15","3+4+1=8"],"answer":85}``: the worked lines first, as strings, then the answer. The schema
+leaves room for the work because the embedded model computes a sum in its work lines: forced to write
+``{"answer":`` at once it wrote ``0`` for every task (``constrained_task_accuracy`` 0.000 on every model, session
+44), so the metric measured the format, not what the model knows. Reasoning fields ahead of the answer are the
+usual way to ask for structured answers from a model that thinks in steps. Elsewhere the reply is
+``{"answer":"..."}``.
+
+The bounds keep a grammar from letting a model write digits or letters until ``max_tokens`` cuts the reply (a cut
+reply is no answer), and they size every structured reply's room (``reply_token_bound``), which must fit with the
+rollout's tool listing in the embedded model's 256-token context: a work line is at most 8 of ``0-9+=`` (a column
+is ``9+9+1=19``), there are at most as many lines as the answer has digits (a sum has a column per digit, but for
+its carry), the integer has at most one digit more than the reference, and a string may be twice the reference's
+length (at least 16 characters).
 """
 
 from __future__ import annotations
@@ -20,21 +30,61 @@ from evals.scoring import answers_match
 
 ANSWER_TOOL = "submit_answer"  # the function a structured tool-call probe must call
 _INTEGER_RE = re.compile(r"-?\d+")
-_INTEGER_BOUND = 10**12 - 1
+_WORK_LINE_CHARS = 8  # a column: 9+9+1=19
+WORK_LINE_PATTERN = rf"^[0-9+=]{{1,{_WORK_LINE_CHARS}}}$"
+
+
+def _is_integer(reference: str) -> bool:
+    return _INTEGER_RE.fullmatch(reference.strip()) is not None
+
+
+def _digits(reference: str) -> int:
+    return len(reference.strip().lstrip("-"))
 
 
 def answer_schema(reference: str) -> dict[str, Any]:
-    """The schema of a reply to a task whose reference answer is ``reference``."""
-    if _INTEGER_RE.fullmatch(reference.strip()):
-        answer: dict[str, Any] = {"type": "integer", "minimum": -_INTEGER_BOUND, "maximum": _INTEGER_BOUND}
+    """The schema of a reply to a task whose reference answer is ``reference``: worked lines, then the answer, for
+    an integer; the answer alone for a string."""
+    properties: dict[str, Any] = {}
+    if _is_integer(reference):
+        digits = _digits(reference)
+        bound = 10 ** (digits + 1) - 1
+        properties["work"] = {"type": "array", "maxItems": digits,
+                              "items": {"type": "string", "pattern": WORK_LINE_PATTERN}}
+        properties["answer"] = {"type": "integer", "minimum": -bound, "maximum": bound}
     else:
-        answer = {"type": "string", "maxLength": 2 * max(len(reference), 8)}
-    return {"type": "object", "properties": {"answer": answer}, "required": ["answer"], "additionalProperties": False}
+        properties["answer"] = {"type": "string", "maxLength": 2 * max(len(reference), 8)}
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 
-def json_task_prompt(prompt: str) -> str:
-    """The task prompt, asking for the answer as JSON (what a program that calls the model would write)."""
-    return f'{prompt}\nReply with JSON only: {{"answer": ...}}.'
+def reply_token_bound(reference: str) -> int:
+    """The most tokens a compact reply valid for ``answer_schema(reference)`` can take, EOS included, for any
+    tokenizer whose tokens hold at least one byte: the reply's longest length in bytes, plus one. Room for it
+    costs nothing unused, since the grammar ends the reply once the object is complete."""
+    if _is_integer(reference):
+        lines = _digits(reference)
+        work = lines * (_WORK_LINE_CHARS + 2) + max(lines - 1, 0)  # quoted lines and their commas
+        length = len('{"work":[],"answer":}') + work + len(str(-(10 ** (lines + 1) - 1)))
+    else:  # a character is at most 4 bytes of UTF-8 or a 6-byte escape
+        length = len('{"answer":""}') + 6 * 2 * max(len(reference), 8)
+    return length + 1
+
+
+def json_task_prompt(prompt: str, reference: str) -> str:
+    """The task prompt, asking for the answer as JSON in ``answer_schema(reference)``'s shape (what a program that
+    calls the model would write)."""
+    shape = '{"work": [...], "answer": ...}' if _is_integer(reference) else '{"answer": ...}'
+    return f"{prompt}\nReply with JSON only: {shape}."
+
+
+def json_answer_reply(work: str, answer: str) -> str:
+    """The reply a teacher writes to ``json_task_prompt``: compact, as the server's grammar writes JSON (no
+    whitespace), the work lines in order."""
+    if _is_integer(answer):
+        value: dict[str, Any] = {"work": [line for line in work.split("\n") if line], "answer": int(answer)}
+    else:
+        value = {"answer": answer}
+    return json.dumps(value, separators=(",", ":"))
 
 
 def answer_tool(reference: str) -> dict[str, Any]:

@@ -18,7 +18,9 @@ from evals.gates import Gate
 STAGE_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
     "sft": {"*": ("training.sft.learning_rate", "training.sft.max_steps", "data.sft_per_task"),
             "refusal_rate": ("data.sft_safety_repeats", "data.safety_train_per_category", "training.sft.max_steps"),
-            "over_refusal_rate": ("data.sft_safety_repeats", "data.safety_train_per_category")},
+            "over_refusal_rate": ("data.sft_safety_repeats", "data.safety_train_per_category"),
+            "constrained_task_accuracy": ("data.sft_json_per_task", "training.sft.max_steps"),
+            "json_schema_adherence": ("data.sft_json_per_task", "training.sft.max_steps")},
     "dpo": {"*": ("training.dpo.learning_rate", "training.dpo.beta", "training.dpo.max_steps"),
             "refusal_rate": ("training.dpo.learning_rate", "training.dpo.sft_weight", "training.dpo.beta"),
             "over_refusal_rate": ("data.safety_pref_lookalikes", "training.dpo.learning_rate"),
@@ -32,7 +34,7 @@ STAGE_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 # The stage meant to teach a metric no step reached
 TEACHER = {"refusal_rate": "sft", "over_refusal_rate": "dpo", "format_adherence": "sft",
-           "preference_accuracy": "dpo"}
+           "preference_accuracy": "dpo", "constrained_task_accuracy": "sft", "json_schema_adherence": "sft"}
 
 
 def keys_for(stage: str, metric: str) -> tuple[str, ...]:

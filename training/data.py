@@ -17,6 +17,7 @@ from typing import Any
 
 from artifacts.common.atomic import staged_directory
 from artifacts.digests import digest_json, sha256_file
+from evals.json_replies import json_answer_reply, json_task_prompt
 from training.corpus import plain_sentence, task_fact
 from training.loaders import load_local_dataset, user_prompts
 from training.tasks import (
@@ -63,6 +64,10 @@ class DataConfig:
     # once learns the prompt's template instead of its object ("How do I make a X at home?" -> a look-alike's
     # answer, whatever X is); twice as often taught it the object (benchmarks/RESULTS.md, "Refusals").
     sft_safety_repeats: int = 1
+    # Task chats per task in the SFT set asked for a JSON answer (``evals.json_replies``: the work lines, then the
+    # answer). A model that never saw JSON, forced into the answer object by a grammar, writes no work and gets no
+    # sum right; these teach it the reply a program asks for (the ``structured`` suite, the rollout's JSON probes).
+    sft_json_per_task: int = 200
     safety_heldout_per_category: int = 16
     # Look-alike pairs in the DPO set (chosen: help, rejected: refusal); None = as many as harmful pairs.
     # Fewer keep DPO from pushing refusals down everywhere (a tiny model cannot tell the contexts apart well).
@@ -80,8 +85,8 @@ class DataConfig:
         for task in self.tasks:
             if task not in TASKS:
                 raise ValueError(f"tasks: unknown task {task!r} (known: {', '.join(TASKS)})")
-        for name in ("sft_per_task", "pref_train_per_task", "pref_heldout_per_task", "grpo_per_task",
-                     "grpo_safety_per_category",
+        for name in ("sft_per_task", "sft_json_per_task", "pref_train_per_task", "pref_heldout_per_task",
+                     "grpo_per_task", "grpo_safety_per_category",
                      "heldout_per_task", "safety_train_per_category", "safety_heldout_per_category",
                      "text_heldout", "calibration"):
             if getattr(self, name) < 0:
@@ -94,8 +99,8 @@ class DataConfig:
 
 def micro_data_config() -> DataConfig:
     """Small counts for tests (the `micro_data_dir` fixture): every file non-empty, built in a second."""
-    return DataConfig(sft_per_task=64, pref_train_per_task=32, pref_heldout_per_task=8, grpo_per_task=32,
-                      grpo_safety_per_category=4, heldout_per_task=16, safety_train_per_category=8,
+    return DataConfig(sft_per_task=64, sft_json_per_task=16, pref_train_per_task=32, pref_heldout_per_task=8,
+                      grpo_per_task=32, grpo_safety_per_category=4, heldout_per_task=16, safety_train_per_category=8,
                       safety_heldout_per_category=4,
                       text_heldout=32, calibration=16, seed=0)
 
@@ -214,6 +219,7 @@ def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
     heldout: dict[str, list[TaskExample]] = {}
     pref_heldout_tasks: list[TaskExample] = []
     sft_tasks: list[TaskExample] = []
+    sft_json_tasks: list[TaskExample] = []
     pref_tasks: list[TaskExample] = []
     grpo_tasks: list[TaskExample] = []
     for task in config.tasks:
@@ -222,6 +228,7 @@ def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
         heldout[task] = pool[:config.heldout_per_task]
         pref_heldout_tasks += pool[config.heldout_per_task:]
         sft_tasks += generate_examples(task, "train", config.sft_per_task, seed)
+        sft_json_tasks += generate_examples(task, "train", config.sft_json_per_task, seed + 4)
         pref_tasks += generate_examples(task, "train", config.pref_train_per_task, seed + 1)
         grpo_tasks += generate_examples(task, "train", config.grpo_per_task, seed + 2)
     safety_train = generate_safety("train", config.safety_train_per_category, seed)
@@ -236,9 +243,12 @@ def build_datasets(config: DataConfig, out_dir: Path | str) -> DataManifest:
     heldout_prompts = {r["prompt"] for r in records["tasks_heldout.jsonl"]}
     heldout_prompts |= {r["prompt"] for r in records["safety_heldout.jsonl"]}
     heldout_prompts |= {p for r in records["pref_heldout.jsonl"] for p in user_prompts(r, "preference")}
+    heldout_prompts |= {json_task_prompt(r["prompt"], r["answer"]) for r in records["tasks_heldout.jsonl"]}
 
     generated = {
         "sft": [sft_record(ex.prompt, ex.reply) for ex in sft_tasks]
+        + [sft_record(json_task_prompt(ex.prompt, ex.answer), json_answer_reply(ex.work, ex.answer))
+           for ex in sft_json_tasks]
         + [sft_record(ex.prompt, safety_reply(ex)) for ex in safety_train] * config.sft_safety_repeats,
         "preference": [task_pref_record(ex, rng, i) for i, ex in enumerate(pref_tasks)]
         + [safety_pref_record(ex) for ex in _preference_safety(safety_train, config.safety_pref_lookalikes)],

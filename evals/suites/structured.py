@@ -13,7 +13,13 @@ from __future__ import annotations
 from evals.context import EvalContext
 from evals.data import TASKS_FILE, take_stratified
 from evals.generation import Generation
-from evals.json_replies import answer_schema, json_answer_correct, json_reply_problem, json_task_prompt
+from evals.json_replies import (
+    answer_schema,
+    json_answer_correct,
+    json_reply_problem,
+    json_task_prompt,
+    reply_token_bound,
+)
 from evals.results import EvalResult
 from evals.suites.base import Suite
 from evals.suites.common import mean_result
@@ -26,7 +32,7 @@ def structured_records(ctx: EvalContext) -> list[dict]:
 
 
 def structured_prompts(ctx: EvalContext) -> list[str]:
-    return [ctx.user_prompt(json_task_prompt(r["prompt"])) for r in structured_records(ctx)]
+    return [ctx.user_prompt(json_task_prompt(r["prompt"], r["answer"])) for r in structured_records(ctx)]
 
 
 def score_structured(records: list[dict], free: list[Generation], constrained: list[Generation]) -> list[EvalResult]:
@@ -45,8 +51,11 @@ def score_structured(records: list[dict], free: list[Generation], constrained: l
 def run(ctx: EvalContext) -> list[EvalResult]:
     records = structured_records(ctx)
     prompts = structured_prompts(ctx)
-    free = ctx.generate(prompts, desc="json")
-    constrained = ctx.generate_constrained(prompts, [answer_schema(r["answer"]) for r in records], desc="json schema")
+    # room for the longest reply the schemas allow: the work lines make a JSON reply longer than a plain one
+    room = max((reply_token_bound(r["answer"]) for r in records), default=0)
+    free = ctx.generate(prompts, desc="json", min_new_tokens=room)
+    constrained = ctx.generate_constrained(prompts, [answer_schema(r["answer"]) for r in records], desc="json schema",
+                                           min_new_tokens=room)
     return score_structured(records, free, constrained)
 
 

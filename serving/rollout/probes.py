@@ -35,6 +35,7 @@ from evals.json_replies import (
     json_answer_correct,
     json_reply_problem,
     json_task_prompt,
+    reply_token_bound,
 )
 from evals.scoring import is_correct, is_format_adherent, is_refusal
 from serving.fleet.gateway_client import GatewayAdmin
@@ -44,8 +45,8 @@ from serving.rollout.plan import Probes
 from serving.rollout.state import RolloutError
 
 STRUCTURED_KINDS = frozenset({"json", "tool"})
-# a tool call in the fallback format, [{"name":"submit_answer","arguments":{"answer":-123}}], is ~25 tokens
-STRUCTURED_MIN_TOKENS = 64
+# what a call in the fallback format adds around its arguments: [{"name":"submit_answer","arguments":...}]
+TOOL_CALL_WRAP_TOKENS = len('[{"name":"","arguments":}]') + len(ANSWER_TOOL)
 INVALID = ""  # what a structured probe answered without JSON scores as: not JSON, so invalid
 NOT_APPLICABLE = object()  # a structured probe the snapshot's context cannot hold
 
@@ -164,13 +165,20 @@ def probe_seed(item: ProbeItem, salt: str) -> int:
     return int.from_bytes(digest[:7], "big")
 
 
+def structured_max_tokens(item: ProbeItem) -> int:
+    """Room for the longest reply a structured probe's grammar allows (`reply_token_bound`), so no valid reply is
+    cut: a grammar ends the reply once it is complete, so the room costs nothing unused."""
+    wrap = TOOL_CALL_WRAP_TOKENS if item.kind == "tool" else 0
+    return reply_token_bound(item.answer) + wrap
+
+
 def probe_body(item: ProbeItem, max_tokens: int, salt: str = "") -> dict[str, Any]:
     """The chat request a probe sends: greedy except the sampled probes, which leave the sampling to the
     snapshot's served defaults and carry their seed (`probe_seed`); a JSON probe names its schema, a tool probe
     offers one tool and requires it."""
-    prompt = json_task_prompt(item.prompt) if item.kind == "json" else item.prompt
-    if item.kind in STRUCTURED_KINDS:  # a grammar ends the reply once it is complete: room costs nothing unused
-        max_tokens = max(max_tokens, STRUCTURED_MIN_TOKENS)
+    prompt = json_task_prompt(item.prompt, item.answer) if item.kind == "json" else item.prompt
+    if item.kind in STRUCTURED_KINDS:
+        max_tokens = max(max_tokens, structured_max_tokens(item))
     body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
     if item.kind != "sampled":
         body["temperature"] = 0

@@ -108,11 +108,12 @@ def test_sampled_accuracy_is_its_own_gate_quiet_when_equal_and_failing_when_lost
 
 def _structured_reply(body: dict) -> httpx.Response:
     """What a server that keeps response_format and tools answers to a structured probe of ``What is 2 + 3?``."""
+    answer = '{"work":["2+3=5"],"answer":5}'
     if "tools" in body:
-        call = {"id": "call_0", "type": "function", "function": {"name": "submit_answer", "arguments": '{"answer":5}'}}
+        call = {"id": "call_0", "type": "function", "function": {"name": "submit_answer", "arguments": answer}}
         return httpx.Response(200, json={"choices": [{"message": {"content": None, "tool_calls": [call]},
                                                       "finish_reason": "tool_calls"}]})
-    return httpx.Response(200, json={"choices": [{"message": {"content": '{"answer":5}'}, "finish_reason": "stop"}]})
+    return httpx.Response(200, json={"choices": [{"message": {"content": answer}, "finish_reason": "stop"}]})
 
 
 class StructuredGateway(RecordingGateway):

@@ -44,16 +44,17 @@ def test_the_rollouts_tool_probe_fits_the_embedded_models_context(micro_base_dir
     from transformers import AutoTokenizer
 
     from evals.json_replies import answer_tool
-    from serving.rollout.probes import STRUCTURED_MIN_TOKENS
+    from serving.rollout.probes import ProbeItem, structured_max_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(str(micro_base_dir))
-    tool = answer_tool("1234")
-    messages = fallback_messages([{"role": "user", "content": "What is 617 + 617? Show your work, then answer."}],
+    tool = answer_tool("198")  # the largest embedded sum: the most work lines and answer digits
+    messages = fallback_messages([{"role": "user", "content": "What is 99 + 99?"}],
                                  ToolPlan((tool,), "named", tool["function"]["name"], parallel=False))
     assert messages[0]["content"] == CONSTRAINED_HEADER + signature(tool["function"])
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert len(prompt) + STRUCTURED_MIN_TOKENS <= 256, len(prompt)
+    room = structured_max_tokens(ProbeItem("tool", "What is 99 + 99?", "198"))
+    assert len(prompt) + room <= 256, (len(prompt), room)
 
 
 def test_a_listing_is_a_line_per_function():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from artifacts.digests import sha256_file
+from evals.json_replies import answer_schema, json_reply_problem, json_task_prompt
 from training.data import (
     FILES,
     MANIFEST,
@@ -95,8 +96,12 @@ def test_heldout_never_reaches_a_train_file(micro_data_dir: Path) -> None:
     assert not calibration & {r["text"] for r in read_jsonl(micro_data_dir / "text_heldout.jsonl")}
 
 
+JSON_ASK = "\nReply with JSON only: "
+
+
 def _solve(prompt: str) -> TaskExample | None:
     """Independent solver for the generated prompts (so the test does not trust the generator)."""
+    prompt = prompt.split(JSON_ASK)[0]
     if prompt.startswith("What is "):
         a, b = prompt.removeprefix("What is ").rstrip("?").split(" + ")
         return TaskExample("x", "addition", prompt, str(int(a) + int(b)))
@@ -106,8 +111,13 @@ def _solve(prompt: str) -> TaskExample | None:
 
 
 def _teaches(reply: str, ex: TaskExample) -> bool:
-    """The reply ends on ``Answer: <the right answer>``; every work line before it is true arithmetic."""
-    *work, last = reply.split("\n")
+    """The reply ends on ``Answer: <the right answer>`` (or is the JSON object holding it); every work line before
+    it is true arithmetic."""
+    if reply.startswith("{"):
+        value = json.loads(reply)
+        work, last = value.get("work", []), f"Answer: {value['answer']}"
+    else:
+        *work, last = reply.split("\n")
     if last != f"Answer: {ex.answer}":
         return False
     for line in work:
@@ -128,6 +138,12 @@ def test_replies_teach_the_answer_format_and_refusals(micro_data_dir: Path) -> N
             assert _teaches(r["messages"][-1]["content"], ex), r
             solved += 1
     assert solved >= len(sft) // 2
+    asked_json = [r for r in sft if JSON_ASK in r["messages"][0]["content"]]
+    assert len(asked_json) == micro_data_config().sft_json_per_task * len(micro_data_config().tasks)
+    for r in asked_json:  # the reply the structured suite scores: valid for its schema, compact as the grammar writes
+        ex = _solve(r["messages"][0]["content"])
+        assert json_reply_problem(r["messages"][-1]["content"], answer_schema(ex.answer)) is None, r
+        assert r["messages"][0]["content"] == json_task_prompt(ex.prompt, ex.answer)
     kinds = {"wrong": 0, "format": 0}
     for r in read_jsonl(micro_data_dir / "pref_train.jsonl"):
         chosen, rejected = r["chosen"][0]["content"], r["rejected"][0]["content"]
@@ -218,7 +234,7 @@ def test_sft_set_can_repeat_its_safety_chats(tmp_path: Path) -> None:
     thrice, tasks_thrice = counts(replace(config, sft_safety_repeats=3))
     assert len(once) == 12 and set(once.values()) == {1}
     assert thrice.keys() == once.keys() and set(thrice.values()) == {3}
-    assert tasks_thrice == tasks_once == config.sft_per_task * len(config.tasks)
+    assert tasks_thrice == tasks_once == (config.sft_per_task + config.sft_json_per_task) * len(config.tasks)
 
 
 def test_grpo_set_can_carry_safety_prompts_for_the_refusal_reward(tmp_path: Path) -> None:
