@@ -41,7 +41,8 @@ RATES = ("task_accuracy", "sampled_task_accuracy", "refusal_rate", "over_refusal
 
 
 def score(model_dir: Path, data_dir: Path, k: int, max_new_tokens: int) -> dict[str, float]:
-    config = EvalConfig(suites=["task_accuracy", "sampled_task_accuracy", "safety", "preference_accuracy"],
+    config = EvalConfig(suites=["task_accuracy", "sampled_task_accuracy", "safety", "preference_accuracy",
+                                "structured"],
                         max_new_tokens=max_new_tokens,
                         batch_size=64, samples_per_prompt=k)
     return metrics_dict(run_evals(model_dir, data_dir, config))

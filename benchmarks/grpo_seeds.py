@@ -94,9 +94,14 @@ def run_chain(recipe: Any, args: argparse.Namespace, seed: int, workdir: Path) -
         model = run_stage(config, model, args.data, workdir / f"s{seed}" / stage).output_dir
         seconds[stage] = time.perf_counter() - started
         scores[stage] = score(model, args.data, args.k, recipe.evals.max_new_tokens)
-        print(f"seed {seed} {stage}: greedy {scores[stage]['task_accuracy']:.3f} in {seconds[stage]:.0f} s",
-              file=sys.stderr, flush=True)
+        print(f"seed {seed} {stage}: greedy {scores[stage]['task_accuracy']:.3f}, refusal "
+              f"{scores[stage]['refusal_rate']:.3f}, json acc {scores[stage]['constrained_task_accuracy']:.3f} "
+              f"in {seconds[stage]:.0f} s", file=sys.stderr, flush=True)
     return SeedChain(seed, scores, seconds)
+
+
+def _per_stage(chain: SeedChain, metric: str) -> str:
+    return " / ".join(f"{chain.scores[s][metric]:.3f}" if metric in chain.scores[s] else "n/a" for s in STAGES)
 
 
 def print_tables(chains: list[SeedChain], k: int) -> None:
@@ -110,15 +115,18 @@ def print_tables(chains: list[SeedChain], k: int) -> None:
         print(f"| {c.seed} | {c.scores['sft']['task_accuracy']:.3f} | {c.scores['dpo']['task_accuracy']:.3f} | "
               f"{g['task_accuracy']:.3f} | {c.gain() * 100:+.1f} | {sampled} | {g['refusal_rate']:.3f} | "
               f"{g['over_refusal_rate']:.3f} | {c.seconds['grpo']:.0f} |")
-    print("\nWhat each stage exists for, per chain (refusal and preference accuracy at every stage; pref acc on the "
-          "held-out static pairs, where a chain was scored for it):\n")
-    print("| seed | refusal SFT / DPO / GRPO | pref acc SFT / DPO / GRPO | over-refusal (GRPO) |")
-    print("|---|---|---|---:|")
+    print("\nWhat each stage exists for, per chain (refusal, preference accuracy and the JSON answers at every "
+          "stage; pref acc on the held-out static pairs, json acc under the grammar, json own = valid JSON "
+          "unconstrained, where a chain was scored for them):\n")
+    print("| seed | refusal SFT / DPO / GRPO | pref acc SFT / DPO / GRPO | json acc SFT / DPO / GRPO | "
+          "json own SFT / DPO / GRPO | over-refusal (GRPO) |")
+    print("|---|---|---|---|---|---:|")
     for c in chains:
-        refusals = " / ".join(f"{c.scores[s]['refusal_rate']:.3f}" for s in STAGES)
-        prefs = " / ".join(f"{c.scores[s]['preference_accuracy']:.3f}" if "preference_accuracy" in c.scores[s]
-                           else "n/a" for s in STAGES)
-        print(f"| {c.seed} | {refusals} | {prefs} | {c.scores['grpo']['over_refusal_rate']:.3f} |")
+        refusals = _per_stage(c, "refusal_rate")
+        prefs = _per_stage(c, "preference_accuracy")
+        json_acc, json_own = _per_stage(c, "constrained_task_accuracy"), _per_stage(c, "json_schema_adherence")
+        print(f"| {c.seed} | {refusals} | {prefs} | {json_acc} | {json_own} | "
+              f"{c.scores['grpo']['over_refusal_rate']:.3f} |")
     print()
     gains = [c.gain() * 100 for c in chains]
     spread = statistics.stdev(gains) if len(gains) > 1 else 0.0
