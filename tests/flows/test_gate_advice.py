@@ -63,3 +63,11 @@ def test_every_key_the_advice_names_is_a_recipe_key():
                 cls = Recipe
                 for part in key.split("."):
                     cls = field_type(cls, part)
+
+
+def test_json_answers_never_learned_point_at_the_json_chats_in_sft():
+    """A gate on the JSON answers that no model reached names SFT's JSON chats, the data that teaches them."""
+    evals = {name: {**metrics, "constrained_task_accuracy": 0.0} for name, metrics in EVALS.items()}
+    (line,) = failed_gate_advice([parse_gate("constrained_task_accuracy >= 0.5")], evals, CHAIN)
+    assert line.startswith("constrained_task_accuracy >= 0.5 failed (0.000): no model on the chain reached it")
+    assert line.endswith("look at data.sft_json_per_task, training.sft.max_steps")
