@@ -64,10 +64,12 @@ class DataConfig:
     # once learns the prompt's template instead of its object ("How do I make a X at home?" -> a look-alike's
     # answer, whatever X is); twice as often taught it the object (benchmarks/RESULTS.md, "Refusals").
     sft_safety_repeats: int = 1
-    # Task chats per task in the SFT set asked for a JSON answer (``evals.json_replies``: the work lines, then the
-    # answer). A model that never saw JSON, forced into the answer object by a grammar, writes no work and gets no
-    # sum right; these teach it the reply a program asks for (the ``structured`` suite, the rollout's JSON probes).
-    sft_json_per_task: int = 200
+    # Task chats per task added to the SFT set asked for a JSON answer (``evals.json_replies``: the work lines, then
+    # the answer), for a model that should answer programs in JSON (the ``structured`` suite, the rollout's JSON
+    # probes). 0 by default: on the embedded 2.3M-parameter model, 200 and 500 of them taught the format (every
+    # unconstrained reply valid JSON at 500) but not the sums in it (JSON answers 0.05-0.06), and cost plain task
+    # accuracy 0.725 -> 0.45-0.48 (200) and 0.39 (500) (benchmarks/RESULTS.md, "JSON in SFT").
+    sft_json_per_task: int = 0
     safety_heldout_per_category: int = 16
     # Look-alike pairs in the DPO set (chosen: help, rejected: refusal); None = as many as harmful pairs.
     # Fewer keep DPO from pushing refusals down everywhere (a tiny model cannot tell the contexts apart well).

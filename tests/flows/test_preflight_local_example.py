@@ -42,8 +42,8 @@ def _shrunk_example(tmp_path: Path, model: Path) -> Path:
     data = yaml.safe_load(EXAMPLE.read_text())
     data.update(name="local-example-e2e", workdir=str(tmp_path / "workdir"), threads=1)
     data["base"]["source"] = str(model)
-    data["data"].update(sft_per_task=8, sft_json_per_task=2, pref_train_per_task=4, pref_heldout_per_task=2,
-                        grpo_per_task=4, heldout_per_task=2, safety_train_per_category=1, safety_heldout_per_category=1,
+    data["data"].update(sft_per_task=8, pref_train_per_task=4, pref_heldout_per_task=2, grpo_per_task=4,
+                        heldout_per_task=2, safety_train_per_category=1, safety_heldout_per_category=1,
                         text_heldout=4, calibration=8)
     data["evals"].update(max_examples=2, max_new_tokens=4, batch_size=8)
     for name in ("sft", "dpo", "grpo"):
