@@ -1,0 +1,23 @@
+"""benchmarks/sft_trial.py: one SFT run on data built with a key changed, and the line it prints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.sft_trial import SHOWN, main
+from flows.recipe import load_recipe
+from training.data import read_jsonl
+
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+
+
+def test_a_trial_builds_the_changed_data_trains_and_prints_every_number(micro_base_dir, tmp_path, capsys):
+    assert main([str(SMOKE), str(micro_base_dir), str(tmp_path / "t"), "--data", "sft_json_per_task=3",
+                 "--set", "max_steps=2"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("sft_json_per_task=3 max_steps=2: SFT ")
+    assert all(f"{metric} " in line for metric in SHOWN)
+    asked_json = [r for r in read_jsonl(tmp_path / "t" / "data" / "sft_train.jsonl")
+                  if "Reply with JSON only" in r["messages"][0]["content"]]
+    assert len(asked_json) == 3 * len(load_recipe(SMOKE).data.tasks)  # the changed key reached the data
+    assert (tmp_path / "t" / "sft" / "stage_result.json").is_file()
