@@ -5,12 +5,12 @@ probes (``serving.rollout.probes``) and the SFT chats that teach the format (``t
 ``evals.scoring`` is for plain replies: a reply cannot be valid for one and invalid for another.
 
 The task is the held-out task itself. Where the reference answer is an integer (a sum), the reply is
-``{"work":["7+8=15","3+4+1=8"],"answer":85}``: the worked lines first, as strings, then the answer. The schema
-leaves room for the work because the embedded model computes a sum in its work lines: forced to write
-``{"answer":`` at once it wrote ``0`` for every task (``constrained_task_accuracy`` 0.000 on every model, session
-44), so the metric measured the format, not what the model knows. Reasoning fields ahead of the answer are the
-usual way to ask for structured answers from a model that thinks in steps. Elsewhere the reply is
-``{"answer":"..."}``.
+``{"work":["7+8=15","3+4+1=8"],"answer":85}``: the worked lines first, as strings, then the answer. Reasoning
+fields ahead of the answer are the usual way to ask a model that thinks in steps for a structured answer: forced
+to write ``{"answer":`` at once, a model that finds a sum in its work lines has nothing to find it with. (The
+embedded model still scores 0.000 here: it never saw JSON, and teaching it, ``data.sft_json_per_task``, taught the
+format but not the sums in it, at a cost to the plain task; benchmarks/RESULTS.md, "JSON in SFT".) Elsewhere the
+reply is ``{"answer":"..."}``.
 
 The bounds keep a grammar from letting a model write digits or letters until ``max_tokens`` cuts the reply (a cut
 reply is no answer), and they size every structured reply's room (``reply_token_bound``), which must fit with the
