@@ -24,6 +24,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
+from artifacts.errors import LifecycleError  # noqa: E402
 from benchmarks.grpo_repeat import override  # noqa: E402
 from evals.config import EvalConfig  # noqa: E402
 from evals.results import metrics_dict  # noqa: E402
@@ -48,9 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
+    if not (args.base_model / "config.json").is_file():
+        raise LifecycleError(f"{args.base_model}: not a model directory (no config.json)")
     data = build_datasets(dataclasses.replace(recipe.data, **dict(args.data)), args.workdir / "data").path
     started = time.perf_counter()
     model = run_sft(dataclasses.replace(recipe.training.sft, **dict(args.sft)), args.base_model, data,
@@ -62,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     settings = " ".join(f"{k}={v}" for k, v in [*args.data, *args.sft]) or "the recipe"
     print(f"{settings}: SFT {seconds:.0f} s; " + ", ".join(f"{m} {metrics[m]:.3f}" for m in SHOWN))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (LifecycleError, ValueError, TypeError, OSError) as exc:  # a bad recipe, key, value, model or dir
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -21,3 +21,12 @@ def test_a_trial_builds_the_changed_data_trains_and_prints_every_number(micro_ba
                   if "Reply with JSON only" in r["messages"][0]["content"]]
     assert len(asked_json) == 3 * len(load_recipe(SMOKE).data.tasks)  # the changed key reached the data
     assert (tmp_path / "t" / "sft" / "stage_result.json").is_file()
+
+
+def test_a_bad_key_or_model_is_one_line_and_writes_nothing(micro_base_dir, tmp_path, capsys):
+    assert main([str(SMOKE), str(micro_base_dir), str(tmp_path / "a"), "--data", "bogus=1"]) == 2
+    assert main([str(SMOKE), str(tmp_path / "no-model"), str(tmp_path / "b")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors[0].startswith("error: ") and "bogus" in errors[0]
+    assert errors[1] == f"error: {tmp_path / 'no-model'}: not a model directory (no config.json)"
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
