@@ -42,14 +42,18 @@ def _digits(reference: str) -> int:
     return len(reference.strip().lstrip("-"))
 
 
+def _integer_bound(reference: str) -> int:
+    """The largest magnitude an integer answer may have: one digit more than the reference's."""
+    return 10 ** (_digits(reference) + 1) - 1
+
+
 def answer_schema(reference: str) -> dict[str, Any]:
     """The schema of a reply to a task whose reference answer is ``reference``: worked lines, then the answer, for
     an integer; the answer alone for a string."""
     properties: dict[str, Any] = {}
     if _is_integer(reference):
-        digits = _digits(reference)
-        bound = 10 ** (digits + 1) - 1
-        properties["work"] = {"type": "array", "maxItems": digits,
+        bound = _integer_bound(reference)
+        properties["work"] = {"type": "array", "maxItems": _digits(reference),
                               "items": {"type": "string", "pattern": WORK_LINE_PATTERN}}
         properties["answer"] = {"type": "integer", "minimum": -bound, "maximum": bound}
     else:
@@ -64,7 +68,7 @@ def reply_token_bound(reference: str) -> int:
     if _is_integer(reference):
         lines = _digits(reference)
         work = lines * (_WORK_LINE_CHARS + 2) + max(lines - 1, 0)  # quoted lines and their commas
-        length = len('{"work":[],"answer":}') + work + len(str(-(10 ** (lines + 1) - 1)))
+        length = len('{"work":[],"answer":}') + work + len(str(-_integer_bound(reference)))
     else:  # a character is at most 4 bytes of UTF-8 or a 6-byte escape
         length = len('{"answer":""}') + 6 * 2 * max(len(reference), 8)
     return length + 1
