@@ -9,6 +9,7 @@ plotted to `reward_curve.png` (logged to MLflow) so "reward rises" and "the skil
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from training.informative_groups import informative_groups_trainer
 from training.lora import keep_adapters_fp32
 from training.ranks import cuda_device_index, rank
 from training.rewards import build_reward_functions
+from training.sft_replay import load_replay_chats, replay_batches, sft_replay_trainer
 from training.stage_config import GRPOStageConfig, StageResult, TrainingError
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ def _build_trainer(ctx: StageContext):
     )
     trainer_class = informative_groups_trainer(GRPOTrainer, cfg.keeps_safety_anchors) \
         if cfg.drop_uninformative_groups else GRPOTrainer
+    if cfg.sft_replay_weight:
+        trainer_class = sft_replay_trainer(trainer_class, _replay_batches(ctx), cfg.sft_replay_weight)
     rollouts = _engine_rollouts(ctx, args)
     if rollouts is not None:
         trainer_class = engine_rollouts_trainer(trainer_class, rollouts)
@@ -78,6 +82,18 @@ def _build_trainer(ctx: StageContext):
                             processing_class=ctx.tokenizer)
     keep_adapters_fp32(trainer.model, ctx.hw)
     return trainer
+
+
+def _replay_batches(ctx: StageContext) -> Iterator[dict[str, Any]]:
+    """The SFT chats the loss replays (training.sft_replay), cut to the model's context."""
+    if ctx.data_dir is None:
+        raise TrainingError("grpo.sft_replay_weight: the stage was given no data dir to read the SFT chats from")
+    max_len = int(getattr(ctx.model.config, "max_position_embeddings", 0) or 2048)
+    chats = load_replay_chats(ctx.data_dir, ctx.tokenizer, max_len)
+    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
+    log.info("grpo: replaying %d SFT chats, %d a step, at weight %g", len(chats), ctx.config.sft_replay_batch,
+             ctx.config.sft_replay_weight)
+    return replay_batches(chats, ctx.config.sft_replay_batch, ctx.config.seed + rank(), pad)
 
 
 def _engine_rollouts(ctx: StageContext, args: Any) -> EngineRollouts | None:

@@ -208,6 +208,10 @@ class GRPOStageConfig(_StageBase):
     # prompt. Set aside, 35% of the embedded model's sums after DPO and 93% of its safety prompts lifted GRPO's
     # greedy gain from +4.0-4.5 to +6.0-6.5 points in the same 120 steps (benchmarks/RESULTS.md)
     solved_prompt_draws: int = 4
+    # Each loss adds this weight x the NLL of a batch of the SFT stage's chats (training.sft_replay: PPO-ptx on the
+    # SFT data), so what GRPO's prompts do not show (held-out refusals) is held where SFT left it; 0 turns it off.
+    sft_replay_weight: float = 0.0
+    sft_replay_batch: int = 16  # SFT chats per replayed batch
 
     @property
     def keeps_safety_anchors(self) -> bool:
@@ -219,6 +223,10 @@ class GRPOStageConfig(_StageBase):
         super().__post_init__()
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if not self.sft_replay_weight >= 0:
+            raise ValueError(f"sft_replay_weight: must be >= 0, got {self.sft_replay_weight!r}")
+        if isinstance(self.sft_replay_batch, bool) or self.sft_replay_batch < 1:
+            raise ValueError(f"sft_replay_batch: must be an integer >= 1, got {self.sft_replay_batch!r}")
         if isinstance(self.solved_prompt_draws, bool) or self.solved_prompt_draws < 0:
             raise ValueError(f"solved_prompt_draws: must be an integer >= 0, got {self.solved_prompt_draws!r}")
         if self.rollout_backend not in ROLLOUT_BACKENDS:
