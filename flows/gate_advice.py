@@ -26,9 +26,10 @@ STAGE_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
             "over_refusal_rate": ("data.safety_pref_lookalikes", "training.dpo.learning_rate"),
             "format_adherence": ("training.dpo.sft_weight", "training.dpo.learning_rate")},
     "grpo": {"*": ("training.grpo.learning_rate", "training.grpo.temperature", "training.grpo.max_steps"),
-             "refusal_rate": ("training.grpo.refusal_weight", "data.grpo_safety_per_category",
-                              "training.grpo.learning_rate"),
-             "over_refusal_rate": ("training.grpo.refusal_weight", "data.grpo_safety_per_category"),
+             "refusal_rate": ("training.grpo.sft_replay_weight", "training.grpo.refusal_weight",
+                              "data.grpo_safety_per_category", "training.grpo.learning_rate"),
+             "over_refusal_rate": ("training.grpo.sft_replay_weight", "training.grpo.refusal_weight",
+                                   "data.grpo_safety_per_category"),
              "format_adherence": ("training.grpo.format_weight", "training.grpo.learning_rate")},
     "quantize": {"*": ("quantize.group_size", "quantize.calibration_samples", "quantize.methods")},
 }

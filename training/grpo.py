@@ -85,11 +85,10 @@ def _build_trainer(ctx: StageContext):
 
 
 def _replay_batches(ctx: StageContext) -> Iterator[dict[str, Any]]:
-    """The SFT chats the loss replays (training.sft_replay), cut to the model's context."""
+    """The SFT chats the loss replays (training.sft_replay), cut to the stage's ``max_seq_len``."""
     if ctx.data_dir is None:
         raise TrainingError("grpo.sft_replay_weight: the stage was given no data dir to read the SFT chats from")
-    max_len = int(getattr(ctx.model.config, "max_position_embeddings", 0) or 2048)
-    chats = load_replay_chats(ctx.data_dir, ctx.tokenizer, max_len)
+    chats = load_replay_chats(ctx.data_dir, ctx.tokenizer, ctx.config.max_seq_len)
     pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
     log.info("grpo: replaying %d SFT chats, %d a step, at weight %g", len(chats), ctx.config.sft_replay_batch,
              ctx.config.sft_replay_weight)

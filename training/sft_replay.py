@@ -11,7 +11,8 @@ the SFT stage's own chats, the data the refusals came from. Each loss the traine
 ``weight`` × the mean next-token NLL of one batch of SFT chats, on their replies only (as SFT trained them).
 
 The chats are read from the data stage's ``sft_train.jsonl`` (a user's own SFT file lands there too),
-tokenized once with the model's chat template, shuffled with the stage's seed and cycled.
+tokenized once with the model's chat template, cut to the stage's ``max_seq_len``, shuffled with the stage's
+seed and cycled.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def load_replay_chats(data_dir: Path, tokenizer: Any, max_len: int) -> list[Repl
     fills ``max_len`` are left out (nothing of their reply would be trained)."""
     path = Path(data_dir) / SFT_FILE
     if not path.is_file():
-        raise TrainingError(f"grpo.sft_replay_weight: {path} not found (the SFT chats to replay)")
+        raise TrainingError(f"grpo.sft_replay_weight: {path} not found (the SFT chats to replay); give the stage "
+                            "the data stage's dir, or set grpo.sft_replay_weight: 0")
     chats: list[ReplayChat] = []
     with path.open() as f:
         for i, line in enumerate(f, 1):

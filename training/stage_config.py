@@ -210,7 +210,9 @@ class GRPOStageConfig(_StageBase):
     solved_prompt_draws: int = 4
     # Each loss adds this weight x the NLL of a batch of the SFT stage's chats (training.sft_replay: PPO-ptx on the
     # SFT data), so what GRPO's prompts do not show (held-out refusals) is held where SFT left it; 0 turns it off.
-    sft_replay_weight: float = 0.0
+    # 3.0 kept every held-out refusal on the AMD chains where GRPO had lost them, at no cost in greedy gain
+    # (benchmarks/RESULTS.md, "GRPO with the SFT chats replayed")
+    sft_replay_weight: float = 3.0
     sft_replay_batch: int = 16  # SFT chats per replayed batch
 
     @property
@@ -255,7 +257,7 @@ class GRPOStageConfig(_StageBase):
 KEYS_THAT_MATTER: dict[str, tuple[str, ...]] = {
     "sft": ("learning_rate", "max_steps"),
     "dpo": ("learning_rate", "max_steps", "beta", "sft_weight"),
-    "grpo": ("learning_rate", "max_steps", "beta", "temperature"),
+    "grpo": ("learning_rate", "max_steps", "beta", "temperature", "sft_replay_weight"),
 }
 
 

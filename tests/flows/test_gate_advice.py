@@ -19,7 +19,8 @@ EVALS = {"base": {"refusal_rate": 0.977, "over_refusal_rate": 0.167, "task_accur
 def test_the_stage_that_lost_a_floor_metric_is_named_with_its_keys():
     (line,) = failed_gate_advice([parse_gate("refusal_rate >= 0.9")], EVALS, CHAIN)
     assert line == ("refusal_rate >= 0.9 failed (0.837): GRPO lost it (dpo 0.953 -> grpo 0.837, -11.6 points); "
-                    "look at training.grpo.refusal_weight, data.grpo_safety_per_category, training.grpo.learning_rate")
+                    "look at training.grpo.sft_replay_weight, training.grpo.refusal_weight, "
+                    "data.grpo_safety_per_category, training.grpo.learning_rate")
 
 
 def test_a_ceiling_metric_is_lost_by_the_step_that_raised_it():

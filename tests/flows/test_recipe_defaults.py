@@ -24,7 +24,7 @@ def test_dpo_defaults_are_the_tuned_values_not_the_one_that_erased_refusals():
 
 def test_grpo_defaults_are_the_tuned_schedule_and_prompt_filter():
     tuned = yaml.safe_load(DEFAULT.read_text())["training"]["grpo"]
-    for key in ("learning_rate", "lr_scheduler", "warmup_ratio", "solved_prompt_draws"):
+    for key in ("learning_rate", "lr_scheduler", "warmup_ratio", "solved_prompt_draws", "sft_replay_weight"):
         assert getattr(GRPOStageConfig(), key) == tuned[key], key
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -66,6 +67,7 @@ def test_a_run_of_safety_prompts_only_has_no_correctness_to_summarise(micro_base
             if json.loads(line)["task"] == "safety"]
     assert len(rows) >= 4
     (data / "grpo_train.jsonl").write_text("\n".join(rows) + "\n")
+    shutil.copy(micro_data_dir / "sft_train.jsonl", data)  # the chats the stage replays (training.sft_replay)
     result = run_grpo(tiny_grpo(max_steps=2, solved_prompt_draws=0), micro_base_dir, data, tmp_path / "grpo")
     logged = [row for row in result.log_history if "reward" in row]
     assert len(logged) == 2 and all(row["rewards/correctness_reward/mean"] is None for row in logged)
