@@ -225,8 +225,6 @@ class GRPOStageConfig(_StageBase):
         super().__post_init__()
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type: must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
-        if not self.sft_replay_weight >= 0:
-            raise ValueError(f"sft_replay_weight: must be >= 0, got {self.sft_replay_weight!r}")
         if isinstance(self.sft_replay_batch, bool) or self.sft_replay_batch < 1:
             raise ValueError(f"sft_replay_batch: must be an integer >= 1, got {self.sft_replay_batch!r}")
         if isinstance(self.solved_prompt_draws, bool) or self.solved_prompt_draws < 0:
@@ -246,7 +244,7 @@ class GRPOStageConfig(_StageBase):
                 f"batch_size: must be a multiple of num_generations ({self.num_generations}), got {self.batch_size}"
             )
         for name in ("beta", "length_penalty", "correctness_weight", "format_weight", "partial_credit_weight",
-                     "work_weight", "refusal_weight"):
+                     "work_weight", "refusal_weight", "sft_replay_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
