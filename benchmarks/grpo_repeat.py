@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ import yaml
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
+from artifacts.common.cli import exit_status  # noqa: E402
 from artifacts.errors import LifecycleError  # noqa: E402
 from evals.config import EvalConfig  # noqa: E402
 from evals.results import metrics_dict  # noqa: E402
@@ -46,6 +48,19 @@ def score(model_dir: Path, data_dir: Path, k: int, max_new_tokens: int) -> dict[
                         max_new_tokens=max_new_tokens,
                         batch_size=64, samples_per_prompt=k)
     return metrics_dict(run_evals(model_dir, data_dir, config))
+
+
+def one_line_exit(run: Callable[[], int]) -> int:
+    """A training benchmark's exit status through the project's ``exit_status``: a bad recipe, key, value, model
+    or dir (a ``LifecycleError``, or the ``ValueError`` / ``TypeError`` / ``OSError`` a config or path raises) is
+    ``error: <cause>`` and exit 2, never a traceback."""
+    def checked() -> int:
+        try:
+            return run()
+        except (ValueError, TypeError, OSError) as exc:
+            raise LifecycleError(str(exc)) from exc
+
+    return exit_status(checked)
 
 
 def override(text: str) -> tuple[str, object]:

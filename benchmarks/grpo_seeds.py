@@ -31,8 +31,7 @@ import torch
 if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
-from artifacts.errors import LifecycleError  # noqa: E402
-from benchmarks.grpo_repeat import RATES, override, score  # noqa: E402
+from benchmarks.grpo_repeat import RATES, one_line_exit, override, score  # noqa: E402
 from flows.recipe import load_recipe  # noqa: E402
 from flows.report import slice_table  # noqa: E402
 from training.dpo import run_dpo  # noqa: E402
@@ -173,11 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except (LifecycleError, ValueError, TypeError, OSError) as exc:  # a bad recipe, override, model, dir or file
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return one_line_exit(lambda: run(args))
 
 
 if __name__ == "__main__":

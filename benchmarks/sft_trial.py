@@ -25,7 +25,7 @@ if __name__ == "__main__" and not __package__:
     import repo_path  # noqa: F401 - run as a file: the repository first on sys.path (benchmarks/repo_path.py)
 
 from artifacts.errors import LifecycleError  # noqa: E402
-from benchmarks.grpo_repeat import override  # noqa: E402
+from benchmarks.grpo_repeat import one_line_exit, override  # noqa: E402
 from evals.config import EvalConfig  # noqa: E402
 from evals.results import metrics_dict  # noqa: E402
 from evals.runner import run_evals  # noqa: E402
@@ -68,11 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except (LifecycleError, ValueError, TypeError, OSError) as exc:  # a bad recipe, key, value, model or dir
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return one_line_exit(lambda: run(args))
 
 
 if __name__ == "__main__":
